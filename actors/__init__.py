@@ -1,0 +1,2 @@
+"""Ray actors: the per-job JobScheduler and the StageWorker (plain classes; ray.remote is
+applied where they are spawned)."""

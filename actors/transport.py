@@ -1,0 +1,112 @@
+"""How activations and their gradients move between neighbouring stages.
+
+``ObjectStoreTransport``: the sender calls the receiver's ``deliver`` method with the
+tensor (Ray puts it in the object store); the receiver's step thread waits on an inbox.
+``CollectiveTransport``: torch.distributed send/recv (gloo on CPU, NCCL on GPU), with
+buffers shaped from the stage boundary's known activation shape.
+Both never wait forever: a receive that times out raises with what it waited for.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+KINDS = {"act": 0, "grad": 1}
+
+
+class Inbox:
+    """Tensors delivered by other actors, keyed by (step, kind, microbatch)."""
+
+    def __init__(self):
+        self._items: dict[tuple, Any] = {}
+        self._cond = threading.Condition()
+        self.closed: Optional[str] = None
+
+    def put(self, key: tuple, value: Any) -> None:
+        with self._cond:
+            self._items[key] = value
+            self._cond.notify_all()
+
+    def take(self, key: tuple, timeout: float) -> Any:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while key not in self._items:
+                if self.closed:
+                    raise RuntimeError(self.closed)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"waited {timeout:.0f} s for {key[1]} of microbatch {key[2]} "
+                                       f"at step {key[0] + 1}; the neighbouring stage did not send it")
+                self._cond.wait(left)
+            return self._items.pop(key)
+
+    def drop_before(self, step: int) -> None:
+        with self._cond:
+            for k in [k for k in self._items if k[0] < step]:
+                del self._items[k]
+
+    def close(self, reason: str) -> None:
+        with self._cond:
+            self.closed = reason
+            self._cond.notify_all()
+
+
+def to_wire(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def from_wire(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    # the object store hands out read-only memory: copy, so in-place layers cannot touch it
+    return torch.from_numpy(np.array(a, copy=True)).to(device)
+
+
+class ObjectStoreTransport:
+    name = "object_store"
+
+    def __init__(self, inbox: Inbox, prev_actor, next_actor, device: torch.device, timeout: float):
+        self.inbox, self.prev, self.next = inbox, prev_actor, next_actor
+        self.device, self.timeout = device, timeout
+
+    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        target = self.next if kind == "act" else self.prev
+        target.deliver.remote(step, kind, mb, to_wire(tensor))
+
+    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
+        return from_wire(self.inbox.take((step, kind, mb), self.timeout), self.device)
+
+    def finish_step(self) -> None:
+        pass
+
+
+class CollectiveTransport:
+    name = "collective"
+
+    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device):
+        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+        self._pending: list = []
+
+    @staticmethod
+    def _tag(kind: str, mb: int) -> int:
+        return 2 * mb + KINDS[kind]
+
+    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
+        dst = self.next_rank if kind == "act" else self.prev_rank
+        t = tensor.detach().contiguous()
+        self._pending.append((dist.isend(t, dst=dst, tag=self._tag(kind, mb)), t))
+
+    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
+        shape, dtype = like
+        src = self.prev_rank if kind == "act" else self.next_rank
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=src, tag=self._tag(kind, mb))
+        return buf
+
+    def finish_step(self) -> None:
+        for work, _ in self._pending:
+            work.wait()
+        self._pending.clear()

@@ -1,0 +1,1 @@
+"""REST control plane (FastAPI); see the control-plane issue."""

@@ -1,0 +1,194 @@
+"""``relaytrain run``: train one job in the foreground and write its outputs.
+
+DIR/model.pt       the whole model's state_dict (the builder's keys)
+DIR/metrics.jsonl  one row per committed step, flushed as it commits
+DIR/events.jsonl   started, shape, checkpoints, finished, failures
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Optional
+
+from service import checkpoint
+from service.loading import preflight, search_dirs
+from service.spec import JobSpec, SpecError, load_spec
+from service.states import JobState
+
+RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
+
+
+class JobFailed(RuntimeError):
+    """The job ran and failed; ``str()`` is one sentence, ``detail`` the worker's traceback."""
+
+    def __init__(self, message: str, detail: str = "", result: Optional[dict] = None):
+        super().__init__(message)
+        self.detail, self.result = detail, result
+
+
+def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
+    """The spec's runtime_env; when the spec imports user code and names no working_dir,
+    its folder is shipped as the working_dir."""
+    env = dict(spec.runtime_env)
+    if spec.uses_imports and spec_dir and "working_dir" not in env:
+        env["working_dir"] = str(Path(spec_dir).resolve())
+        env["excludes"] = list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
+    return env
+
+
+def _connect(ray_address: Optional[str]) -> bool:
+    """Connect to Ray; returns True when this call started (and so must stop) it."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
+    if ray_address:
+        ray.init(address=ray_address, **kwargs)
+        return True
+    ray.init(include_dashboard=False, **kwargs)
+    return True
+
+
+def check_fits(spec: JobSpec) -> None:
+    """Refuse a job that this cluster can never hold."""
+    import ray
+
+    res = ray.cluster_resources()
+    workers = spec.parallelism.dp * spec.parallelism.pp
+    need_cpu = workers * spec.resources.cpus_per_worker
+    if need_cpu > res.get("CPU", 0):
+        raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "
+                        f"{spec.resources.cpus_per_worker:g}) but the cluster has {res.get('CPU', 0):g}; "
+                        "lower parallelism.dp x parallelism.pp or resources.cpus_per_worker, or add nodes")
+    gpus = spec.resources.gpus_per_worker or 0
+    if gpus and workers * gpus > res.get("GPU", 0):
+        raise SpecError(f"the job needs {workers * gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}; "
+                        "lower resources.gpus_per_worker or dp x pp")
+
+
+class _Outputs:
+    def __init__(self, out: Path):
+        out.mkdir(parents=True, exist_ok=True)
+        self.out = out
+        self.metrics = open(out / "metrics.jsonl", "a")
+        self.events = open(out / "events.jsonl", "a")
+
+    def write(self, f, rows: list[dict]) -> None:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+        if rows:
+            f.flush()
+
+    def event(self, kind: str, message: str, **fields) -> None:
+        self.write(self.events, [{"time": time.time(), "type": kind, "message": message, **fields}])
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()
+
+
+def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional[JobSpec] = None,
+            spec_dir: Optional[str] = None, ray_address: Optional[str] = None, resume: Optional[str] = None,
+            progress: bool = True, timeout: float = 300.0) -> dict:
+    """Train ``spec`` to completion; returns the scheduler's final report.  Raises
+    :class:`SpecError` before anything starts for a spec that cannot work, and
+    :class:`JobFailed` when the job fails while running."""
+    if spec is None:
+        spec = load_spec(spec_path)
+        spec_dir = spec_dir or str(Path(spec_path).resolve().parent)
+    search = search_dirs(spec_dir)
+    preflight(spec, search)
+    ckpt_root = str(Path(spec.checkpoint.path).resolve()) if spec.checkpoint.every_steps else None
+    resume_path = None
+    if resume is not None:
+        try:
+            resume_path = str(checkpoint.resolve(resume or spec.checkpoint.path))
+        except FileNotFoundError as e:
+            raise SpecError(f"--resume: {e}") from None
+
+    import ray
+
+    from actors.scheduler import NAMESPACE, JobScheduler
+
+    started_ray = _connect(ray_address)
+    outputs = _Outputs(Path(out))
+    job_id = f"{spec.name}-{uuid.uuid4().hex[:6]}"
+    sched = None
+    try:
+        check_fits(spec)
+        sched = ray.remote(JobScheduler).options(
+            name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
+            runtime_env=job_runtime_env(spec, spec_dir),
+        ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout)
+        done_ref = sched.run.remote()
+        final = _follow(sched, done_ref, outputs, spec, progress)
+        if final["state"] != JobState.SUCCEEDED.value:
+            detail = next((e.get("detail", "") for e in reversed(final["events"]) if e["type"] == "failed"), "")
+            raise JobFailed(final["error"] or f"job ended {final['state']}", detail, final)
+        state = ray.get(sched.model_state.remote())
+        _save_model(state, Path(out) / "model.pt")
+        outputs.event("saved", f"model saved to {Path(out) / 'model.pt'}")
+        return final
+    except BaseException as e:
+        if not isinstance(e, (JobFailed, SpecError)):
+            outputs.event("failed", f"{type(e).__name__}: {e}")
+        raise
+    finally:
+        outputs.close()
+        if sched is not None:
+            try:
+                ray.kill(sched)
+            except Exception:
+                pass
+        if started_ray:
+            ray.shutdown()
+
+
+def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -> dict:
+    """Copy the scheduler's new metrics and events to the files until it ends."""
+    import ray
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=spec.training.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
+    m_seen = e_seen = 0
+    all_events: list[dict] = []
+    try:
+        while True:
+            finished = bool(ray.wait([done_ref], timeout=0.2)[0])
+            snap = ray.get(sched.poll.remote(m_seen, e_seen))
+            outputs.write(outputs.metrics, snap["metrics"])
+            outputs.write(outputs.events, snap["events"])
+            all_events += snap["events"]
+            m_seen += len(snap["metrics"])
+            e_seen += len(snap["events"])
+            if bar is not None:
+                if bar.n == 0 and snap["step"]:
+                    bar.n = bar.last_print_n = snap["step"] - len(snap["metrics"])
+                if snap["metrics"]:
+                    last = snap["metrics"][-1]
+                    bar.update(len(snap["metrics"]))
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", samples_s=f"{last['samples_per_s']:.0f}",
+                                    shape=f"{last['dp']}x{last['pp']}")
+            if finished:
+                ray.get(done_ref)
+                snap["events"] = all_events
+                return snap
+    finally:
+        if bar is not None:
+            bar.close()
+
+
+def _save_model(state: dict, path: Path) -> None:
+    import torch
+
+    tmp = path.with_suffix(".pt.tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)

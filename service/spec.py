@@ -1,0 +1,205 @@
+"""The job spec: what a user posts or writes in a YAML/JSON file.
+
+Every field has a description (it shows in the OpenAPI docs); cross-field checks
+live in validators whose messages say what to change.
+"""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+LOSSES = ("cross_entropy", "mse")
+MODEL_KINDS = ("mlp", "cnn", "regression_mlp", "char_transformer")
+DATA_KINDS = ("digits", "digits_images", "regression", "chars")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _check_import_path(v: Optional[str]) -> Optional[str]:
+    if v is not None and not IMPORT_PATH_RE.match(v):
+        raise ValueError(f"{v!r} is not an import path: write it as 'package.module:function'")
+    return v
+
+
+class ModelSpec(_Strict):
+    builder: Optional[str] = Field(
+        None, description="'module:function' returning a torch.nn.Sequential; imported from the spec's folder")
+    kind: Optional[Literal["mlp", "cnn", "regression_mlp", "char_transformer"]] = Field(
+        None, description="a built-in model instead of a builder")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder or built-in")
+
+    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.builder is None) == (self.kind is None):
+            raise ValueError("give exactly one of model.builder ('module:function') or model.kind "
+                             f"(one of {', '.join(MODEL_KINDS)})")
+        return self
+
+
+class DataSpec(_Strict):
+    builder: Optional[str] = Field(
+        None, description="'module:function' returning (X, Y) tensors or a map-style Dataset of (x, y)")
+    kind: Optional[Literal["digits", "digits_images", "regression", "chars"]] = Field(
+        None, description="a built-in data set instead of a builder")
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder or built-in")
+
+    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.builder is None) == (self.kind is None):
+            raise ValueError("give exactly one of data.builder ('module:function') or data.kind "
+                             f"(one of {', '.join(DATA_KINDS)})")
+        return self
+
+
+class LossSpec(_Strict):
+    builder: str = Field(..., description="'module:function' returning loss(pred, target) -> mean over the microbatch")
+
+    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
+
+
+class OptimizerSpec(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: str = Field(..., description="sgd, adam or adamw; other fields are torch.optim arguments (lr, momentum, ...)")
+    lr: float = Field(0.001, gt=0, description="learning rate")
+
+    @field_validator("name")
+    @classmethod
+    def _known(cls, v: str) -> str:
+        if v.lower() not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {v!r}: use one of {', '.join(OPTIMIZERS)}")
+        return v.lower()
+
+    def kwargs(self) -> dict[str, Any]:
+        extra = dict(self.model_extra or {})
+        return {"lr": self.lr, **extra}
+
+
+class TrainingSpec(_Strict):
+    global_batch_size: int = Field(..., ge=1, description="samples per optimizer step (B); never changed by a reshape")
+    microbatch_size: int = Field(..., ge=1, description="samples per microbatch; B must be a multiple of dp x this")
+    steps: int = Field(..., ge=1, description="optimizer steps to train")
+    seed: int = Field(0, ge=0, description="seeds the initial parameters and the sample order")
+    shuffle: bool = Field(True, description="a new permutation of the data each epoch")
+
+    @model_validator(mode="after")
+    def _divides(self):
+        if self.global_batch_size % self.microbatch_size:
+            raise ValueError(
+                f"training.global_batch_size ({self.global_batch_size}) must be a multiple of "
+                f"training.microbatch_size ({self.microbatch_size})")
+        return self
+
+
+class ParallelismSpec(_Strict):
+    dp: int = Field(1, ge=1, description="data-parallel replicas")
+    pp: int = Field(1, ge=1, description="pipeline stages")
+    schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="micro-batch schedule")
+    transport: Literal["object_store", "collective"] = Field(
+        "object_store", description="how activations move between stages: Ray objects, or send/recv (gloo/NCCL)")
+    partition: Union[Literal["balanced", "uniform"], list[int]] = Field(
+        "balanced", description="'balanced' by measured layer cost, 'uniform' layer counts, or explicit layer counts")
+
+    @model_validator(mode="after")
+    def _partition(self):
+        if isinstance(self.partition, list):
+            if len(self.partition) != self.pp:
+                raise ValueError(f"parallelism.partition lists {len(self.partition)} stage sizes but pp is {self.pp}: "
+                                 "give one layer count per stage")
+            if any(n < 1 for n in self.partition):
+                raise ValueError("parallelism.partition: every stage needs at least 1 layer")
+        return self
+
+
+class ResourcesSpec(_Strict):
+    cpus_per_worker: float = Field(1, gt=0, description="CPU slots per worker actor")
+    gpus_per_worker: Optional[float] = Field(
+        None, ge=0, description="GPUs per worker; unset = 1 when the cluster has a GPU per worker, else 0")
+
+
+class CheckpointSpec(_Strict):
+    every_steps: int = Field(0, ge=0, description="write a checkpoint every N committed steps (0 = only at the end)")
+    path: str = Field("./checkpoints", description="folder for checkpoints (relative to the working directory)")
+    keep: int = Field(3, ge=1, description="how many recent checkpoints to keep")
+
+
+class JobSpec(_Strict):
+    name: str = Field(..., min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+                      description="job name: letters, digits, '-', '_', '.'")
+    model: ModelSpec
+    data: DataSpec
+    loss: Union[Literal["cross_entropy", "mse"], LossSpec] = Field("cross_entropy", description="loss function")
+    optimizer: OptimizerSpec = Field(default_factory=lambda: OptimizerSpec(name="adam"))
+    training: TrainingSpec
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")
+
+    @model_validator(mode="after")
+    def _shape_fits_batch(self):
+        t, p = self.training, self.parallelism
+        if t.global_batch_size % (p.dp * t.microbatch_size):
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
+                f"parallelism.dp x training.microbatch_size ({p.dp} x {t.microbatch_size} = "
+                f"{p.dp * t.microbatch_size}): change the batch size, the microbatch size or dp")
+        return self
+
+    @property
+    def microbatches(self) -> int:
+        return self.training.global_batch_size // self.training.microbatch_size
+
+    @property
+    def uses_imports(self) -> bool:
+        return bool(self.model.builder or self.data.builder or isinstance(self.loss, LossSpec))
+
+
+class SpecError(ValueError):
+    """A spec that cannot work; the message says what to change."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    parts = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"]) or "spec"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check its spelling)"
+        elif e["type"] == "missing":
+            msg = "required field is missing"
+        parts.append(f"{loc}: {msg}")
+    return "invalid job spec: " + "; ".join(parts)
+
+
+def parse_spec(data: Any) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as e:
+        raise SpecError(format_validation_error(e)) from None
+
+
+def load_spec(path: str | Path) -> JobSpec:
+    p = Path(path)
+    if not p.is_file():
+        raise SpecError(f"spec file {str(p)!r} does not exist")
+    text = p.read_text()
+    try:
+        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        raise SpecError(f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise SpecError(f"{p} must hold a mapping of spec fields (name, model, data, ...), not {type(data).__name__}")
+    return parse_spec(data)
