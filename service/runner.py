@@ -40,6 +40,22 @@ def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
     return env
 
 
+def upload_runtime_env(env: dict) -> dict:
+    """Upload local ``working_dir``/``py_modules`` folders to the cluster and name them by
+    URI: Ray accepts local folders only in ``ray.init``, not on a single actor."""
+    import tempfile
+
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = dict(env)
+    scratch = tempfile.mkdtemp(prefix="relaytrain-pkg-")
+    env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env.pop("excludes", None)
+    return env
+
+
 def _connect(ray_address: Optional[str]) -> bool:
     """Connect to Ray; returns True when this call started (and so must stop) it."""
     import ray
@@ -123,7 +139,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         check_fits(spec)
         sched = ray.remote(JobScheduler).options(
             name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-            runtime_env=job_runtime_env(spec, spec_dir),
+            runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
         ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout)
         done_ref = sched.run.remote()
         final = _follow(sched, done_ref, outputs, spec, progress)

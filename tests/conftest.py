@@ -1,0 +1,19 @@
+"""Shared fixtures: one local Ray for the whole session (ray.init costs seconds)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    # 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 shapes fit
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", namespace="relaytrain-tests")
+    yield ray
+    ray.shutdown()

@@ -1,0 +1,127 @@
+"""Bad specs fail before any actor starts, with a message that says what to change."""
+import copy
+import os
+
+import pytest
+
+from service.loading import preflight
+from service.spec import SpecError, load_spec, parse_spec
+from tests.conftest import FIXTURES
+
+BASE = {
+    "name": "t", "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 16, "layers": 2}},
+    "data": {"kind": "digits"}, "optimizer": {"name": "adam", "lr": 0.01},
+    "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 2},
+}
+
+
+def spec_with(**changes):
+    d = copy.deepcopy(BASE)
+    for path, value in changes.items():
+        node = d
+        keys = path.split("__")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return d
+
+
+def test_valid_spec_defaults():
+    s = parse_spec(BASE)
+    assert s.parallelism.dp == 1 and s.parallelism.schedule == "1f1b" and s.microbatches == 4
+
+
+def test_batch_not_multiple_of_dp_times_microbatch():
+    with pytest.raises(SpecError, match=r"global_batch_size \(32\) must be a multiple of parallelism.dp x "
+                                        r"training.microbatch_size \(3 x 8 = 24\)"):
+        parse_spec(spec_with(parallelism__dp=3))
+
+
+def test_batch_not_multiple_of_microbatch():
+    with pytest.raises(SpecError, match=r"training.global_batch_size \(30\) must be a multiple of "
+                                        r"training.microbatch_size \(8\)"):
+        parse_spec(spec_with(training__global_batch_size=30))
+
+
+def test_unknown_optimizer():
+    with pytest.raises(SpecError, match="optimizer.name: unknown optimizer 'lamb': use one of sgd, adam, adamw"):
+        parse_spec(spec_with(optimizer__name="lamb"))
+
+
+def test_bad_optimizer_argument():
+    s = parse_spec(spec_with(optimizer={"name": "adam", "lr": 0.01, "momentum": 0.9}))
+    with pytest.raises(SpecError, match="optimizer: adam rejects its arguments.*momentum"):
+        preflight(s)
+
+
+def test_misspelled_field():
+    with pytest.raises(SpecError, match="parallelism.stages: unknown field"):
+        parse_spec(spec_with(parallelism__stages=2))
+
+
+def test_more_stages_than_layers():
+    s = parse_spec(spec_with(parallelism__pp=4))  # mlp with 2 hidden layers has 3 entries
+    with pytest.raises(SpecError, match="parallelism.pp is 4 but the model has only 3 layers"):
+        preflight(s)
+
+
+def test_import_path_that_does_not_import():
+    s = parse_spec(spec_with(model={"builder": "nosuchpkg.models:build"}))
+    with pytest.raises(SpecError, match="model.builder: cannot import module 'nosuchpkg.models'"):
+        preflight(s, [FIXTURES])
+
+
+def test_import_path_without_function():
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:nope"}))
+    with pytest.raises(SpecError, match="module 'userpkg.models' has no attribute 'nope'"):
+        preflight(s, [FIXTURES])
+
+
+def test_malformed_import_path():
+    with pytest.raises(SpecError, match="'userpkg.models' is not an import path: write it as 'package.module:function'"):
+        parse_spec(spec_with(model={"builder": "userpkg.models"}))
+
+
+def test_builder_not_sequential():
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:not_sequential"},
+                             data={"builder": "userpkg.data:build"}))
+    with pytest.raises(SpecError, match="must return torch.nn.Sequential, got Linear"):
+        preflight(s, [FIXTURES])
+
+
+def test_model_and_data_do_not_fit():
+    s = parse_spec(spec_with(data={"builder": "userpkg.data:build"}))  # 8 features into a 64-input MLP
+    with pytest.raises(SpecError, match=r"the model fails on a microbatch of the data \(x of shape \(8, 8\)"):
+        preflight(s, [FIXTURES])
+
+
+def test_too_little_data():
+    s = parse_spec(spec_with(data={"builder": "userpkg.data:build", "args": {"n": 10}},
+                             model={"builder": "userpkg.models:build"}))
+    with pytest.raises(SpecError, match="gave 10 samples, fewer than training.global_batch_size"):
+        preflight(s, [FIXTURES])
+
+
+def test_explicit_partition_must_cover_model():
+    s = parse_spec(spec_with(parallelism={"pp": 2, "partition": [1, 1]}))
+    with pytest.raises(SpecError, match=r"partition \[1, 1\] covers 2 layers but the model has 3"):
+        preflight(s)
+
+
+def test_spec_file_errors(tmp_path):
+    with pytest.raises(SpecError, match="does not exist"):
+        load_spec(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: [unclosed")
+    with pytest.raises(SpecError, match="is not valid YAML"):
+        load_spec(bad)
+    bad.write_text("- a\n- b\n")
+    with pytest.raises(SpecError, match="must hold a mapping"):
+        load_spec(bad)
+
+
+def test_user_spec_file_loads_and_preflights():
+    path = os.path.join(FIXTURES, "user_job.yaml")
+    s = load_spec(path)
+    job = preflight(s, [FIXTURES])
+    assert len(job.samples) == 96 and len(job.model) == 5
