@@ -6,6 +6,7 @@ polls it (the CLI today, the control plane later).
 from __future__ import annotations
 
 import os
+import re
 import threading
 import time
 import traceback
@@ -48,7 +49,18 @@ def _worker_failure(name: str, step: Optional[int], err: Exception) -> JobFailur
         what = "died (its process or node was lost)"
     else:
         what = f"raised {type(err).__name__}: {err}"
-    return JobFailure(f"worker {name}{where} {what}", detail=str(err))
+    return JobFailure(f"worker {name}{where} {what}", detail=_traceback_text(name, err))
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _traceback_text(name: str, err: Exception) -> str:
+    """The remote traceback as a person reads it, without terminal colours."""
+    lines = _ANSI.sub("", str(err)).strip().splitlines()
+    if lines and lines[0].startswith("ray::"):
+        return f"Traceback from worker {name} ({lines[0]}), most recent call last:\n" + "\n".join(lines[1:])
+    return f"Traceback from worker {name}:\n" + "\n".join(lines)
 
 
 class JobScheduler:

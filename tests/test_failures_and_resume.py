@@ -1,0 +1,134 @@
+"""A worker that raises stops the job with its traceback; bad specs start nothing;
+checkpoints resume to the same parameters as an uninterrupted run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from service import checkpoint
+from service.runner import JobFailed, run_job
+from service.spec import SpecError, parse_spec
+from tests import reference
+from tests.conftest import FIXTURES
+
+
+def user_spec(**over):
+    d = {
+        "name": "fails", "model": {"builder": "userpkg.models:exploding"}, "data": {"builder": "userpkg.data:build"},
+        "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 5},
+        "parallelism": {"dp": 1, "pp": 2, "partition": [2, 2]},
+    }
+    d.update(over)
+    return parse_spec(d)
+
+
+def relaytrain_actors(ray):
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith("relaytrain:")]
+
+
+@pytest.mark.parametrize("transport", ["object_store", "collective"])
+def test_worker_exception_fails_job_with_traceback(ray_session, tmp_path, transport):
+    spec = user_spec(parallelism={"dp": 1, "pp": 2, "partition": [2, 2], "transport": transport})
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as e:
+        run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=60)
+    assert time.monotonic() - t0 < 60  # stopped at once, not after a timeout
+    # the third forward on stage 1 is microbatch 2 of step 1
+    assert str(e.value) == "worker w0.1 at step 1 raised ValueError: boom from a user layer"
+    assert "Traceback" in e.value.detail and "models.py" in e.value.detail and "boom" in e.value.detail
+    events = [json.loads(x) for x in open(tmp_path / "events.jsonl")]
+    failed = [ev for ev in events if ev["type"] == "failed"]
+    assert failed and "boom from a user layer" in failed[0]["message"] and "Traceback" in failed[0]["detail"]
+    assert not (tmp_path / "model.pt").exists()
+    deadline = time.monotonic() + 15
+    while relaytrain_actors(ray_session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert relaytrain_actors(ray_session) == []  # no worker left behind
+
+
+def test_bad_spec_starts_no_actor(ray_session, tmp_path):
+    spec = user_spec(parallelism={"dp": 1, "pp": 9})
+    with pytest.raises(SpecError, match="parallelism.pp is 9 but the model has only 4 layers"):
+        run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False)
+    assert relaytrain_actors(ray_session) == []
+    assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_job_larger_than_cluster_is_refused(ray_session, tmp_path):
+    spec = parse_spec({"name": "huge", "model": {"kind": "mlp"}, "data": {"kind": "digits"},
+                       "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": 1},
+                       "parallelism": {"dp": 4, "pp": 4}})
+    with pytest.raises(SpecError, match="needs 16 CPU slots .* but the cluster has 8"):
+        run_job(spec=spec, out=str(tmp_path), progress=False)
+
+
+def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    spec = parse_spec({
+        "name": "resume", "model": {"kind": "mlp", "args": {"hidden": 32, "layers": 3}}, "data": {"kind": "digits"},
+        "optimizer": {"name": "adam", "lr": 0.003},
+        "training": {"global_batch_size": 64, "microbatch_size": 16, "steps": 9, "seed": 2},
+        "parallelism": {"dp": 2, "pp": 2, "transport": "collective"},
+        "checkpoint": {"every_steps": 4, "path": str(ckpt), "keep": 5},
+    })
+    run_job(spec=spec, out=str(tmp_path / "a"), progress=False)
+    assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step-00000004", "step-00000008", "step-00000009"]
+    full = torch.load(tmp_path / "a" / "model.pt")
+    want, _ = reference.train(spec)
+    for k in want:
+        torch.testing.assert_close(full[k], want[k], rtol=1e-4, atol=2e-5)
+    # resume from step 4 in another shape: same parameters as the uninterrupted run
+    other = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"dp": 1, "pp": 3})})
+    final = run_job(spec=other, out=str(tmp_path / "b"), progress=False, resume=str(ckpt / "step-00000004"))
+    resumed = torch.load(tmp_path / "b" / "model.pt")
+    for k in want:
+        torch.testing.assert_close(resumed[k], full[k], rtol=1e-4, atol=2e-5)
+    rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [5, 6, 7, 8, 9]
+    assert any(e["type"] == "resumed" for e in final["events"])
+
+
+def test_resume_without_checkpoint_is_a_clear_error(ray_session, tmp_path):
+    spec = user_spec(checkpoint={"every_steps": 2, "path": str(tmp_path / "none")})
+    with pytest.raises(SpecError, match="--resume: no complete checkpoint at"):
+        run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, resume="")
+
+
+def test_cli_run_end_to_end(ray_session, tmp_path):
+    """`relaytrain run` as a user runs it, against the session's cluster by address."""
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        "name: cli-job\nmodel: {kind: mlp, args: {hidden: 32, layers: 2}}\ndata: {kind: digits}\n"
+        "training: {global_batch_size: 32, microbatch_size: 8, steps: 6}\nparallelism: {pp: 2}\n")
+    address = ray_session.get_runtime_context().gcs_address
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(out),
+                        "--ray-address", address], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert "SUCCEEDED: 6 steps" in p.stdout
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert {"step", "loss", "time", "samples_per_s", "dp", "pp", "bubble"} <= set(rows[0])
+    sd = torch.load(out / "model.pt")
+    from service.builtins import mlp
+
+    assert list(sd) == list(mlp(hidden=32, layers=2).state_dict())
+
+
+def test_cli_run_bad_spec_says_one_sentence(tmp_path):
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("name: bad\nmodel: {kind: mlp}\ndata: {kind: digits}\n"
+                         "training: {global_batch_size: 30, microbatch_size: 8, steps: 6}\n")
+    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    assert p.stderr.strip().splitlines() == [
+        "relaytrain: invalid job spec: training: training.global_batch_size (30) must be a multiple of "
+        "training.microbatch_size (8)"]
