@@ -5,6 +5,7 @@ polls it (the CLI today, the control plane later).
 """
 from __future__ import annotations
 
+import collections
 import os
 import re
 import threading
@@ -33,6 +34,10 @@ class JobFailure(RuntimeError):
     def __init__(self, message: str, detail: str = ""):
         super().__init__(message)
         self.detail = detail
+
+
+def placement_group_name(job_id: str) -> str:
+    return f"relaytrain:{job_id}:workers"
 
 
 def _worker_failure(name: str, step: Optional[int], err: Exception) -> JobFailure:
@@ -82,6 +87,7 @@ class JobScheduler:
         self.workers: dict[tuple[int, int], Any] = {}
         self.pg = None
         self._final: Optional[dict] = None
+        self.timelines: collections.deque = collections.deque(maxlen=16)  # recent steps only
         self._cancel = threading.Event()
         self._lock = threading.Lock()
 
@@ -107,9 +113,13 @@ class JobScheduler:
     def model_state(self) -> Optional[dict]:
         return self._final
 
-    def timeline(self, step: int) -> dict:
-        refs = {f"w{r}.{s}": w.timeline.remote(step) for (r, s), w in self.workers.items()}
-        return {k: ray.get(v) for k, v in refs.items()}
+    def timeline(self, step: Optional[int] = None) -> Optional[dict]:
+        """Measured (action, start, end) per worker for a recent step (the newest by default)."""
+        with self._lock:
+            for entry in reversed(self.timelines):
+                if step is None or entry["step"] == step:
+                    return entry
+        return None
 
     # ---------------------------------------------------------------- the job
 
@@ -125,7 +135,9 @@ class JobScheduler:
             self._event("failed", self.error, detail=self.error_detail)
         finally:
             self._teardown()
-        return self.poll(len(self.metrics), len(self.events))
+        final = self.poll(len(self.metrics), len(self.events))
+        final["timelines"] = list(self.timelines)
+        return final
 
     def _run(self) -> None:
         spec = self.spec
@@ -158,7 +170,7 @@ class JobScheduler:
         x, _ = samples.batch(idx)
         costs = None
         if p.partition == "balanced" and p.pp > 1:
-            costs = partition.profile_layers(model, x)
+            costs = partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
         sizes = partition.choose(p.partition, len(model), p.pp, costs)
         bounds = partition.bounds(sizes)
         metas = []
@@ -181,7 +193,8 @@ class JobScheduler:
         spec, p = self.spec, self.spec.parallelism
         cpus = spec.resources.cpus_per_worker
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(p.dp * p.pp)], strategy="PACK")
+        self.pg = placement_group([dict(bundle) for _ in range(p.dp * p.pp)], strategy="PACK",
+                                  name=placement_group_name(self.job_id))
         if not self.pg.wait(self.start_timeout):
             total = ray.cluster_resources()
             raise JobFailure(
@@ -252,6 +265,8 @@ class JobScheduler:
             t1 = time.time()
             row = self._metrics_row(step, stats, t1 - t0, B)
             with self._lock:
+                self.timelines.append({"step": step + 1, "workers": {
+                    f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())}})
                 self.metrics.append(row)
                 self.step = step + 1
             if every and ((step + 1) % every == 0 or step + 1 == steps) and self.checkpoint_root:

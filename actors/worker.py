@@ -8,7 +8,6 @@ its stage, then the optimizer update.
 """
 from __future__ import annotations
 
-import collections
 import os
 import socket
 import time
@@ -73,7 +72,6 @@ class StageWorker:
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
-        self.timelines: collections.deque = collections.deque(maxlen=16)
 
     def __repr__(self) -> str:
         return f"relaytrain:{self.job_id}:w{self.dp_rank}.{self.pp_rank}"
@@ -176,10 +174,10 @@ class StageWorker:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         t_end = time.time()
-        self.timelines.append((step, timeline))
         return {"dp_rank": self.dp_rank, "pp_rank": self.pp_rank, "loss": float(loss_sum) if self.last else None,
                 "busy": busy, "start": timeline[0][1] if timeline else t_begin, "pipe_end": t_pipe,
-                "end": t_end, "peak_live": peak, "allreduce_s": t_end - t_pipe}
+                "end": t_end, "peak_live": peak, "allreduce_s": t_end - t_pipe,
+                "timeline": timeline}
 
     def _allreduce_grads(self) -> None:
         params = [p for p in self.stage.parameters()]
@@ -206,12 +204,6 @@ class StageWorker:
         if state.get("optim"):
             load_optimizer_state(self.optimizer, self.param_names, state["optim"])
         return True
-
-    def timeline(self, step: int):
-        for s, t in self.timelines:
-            if s == step:
-                return t
-        return None
 
     def shutdown(self) -> None:
         self.inbox.close("the job is stopping")

@@ -14,8 +14,19 @@ import torch
 from torch import nn
 
 
-def profile_layers(model: nn.Sequential, x: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Median seconds of forward + backward of each layer on input ``x``."""
+def profile_layers(model: nn.Sequential, x: torch.Tensor, repeats: int = 5, threads: int | None = None) -> list[float]:
+    """Median seconds of forward + backward of each layer on input ``x`` (after one
+    warm-up pass), with ``threads`` torch threads as a worker would have."""
+    old_threads = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _profile(model, x, repeats)
+    finally:
+        torch.set_num_threads(old_threads)
+
+
+def _profile(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[float]:
     inputs = []
     with torch.no_grad():
         h = x
@@ -25,14 +36,14 @@ def profile_layers(model: nn.Sequential, x: torch.Tensor, repeats: int = 3) -> l
     costs = []
     for layer, inp in zip(model, inputs):
         times = []
-        for _ in range(repeats):
+        for _ in range(repeats + 1):
             t0 = time.perf_counter()
             a = inp.detach().requires_grad_(inp.is_floating_point())
             out = layer(a)
             if out.requires_grad:
                 out.backward(torch.ones_like(out))
             times.append(time.perf_counter() - t0)
-        costs.append(statistics.median(times))
+        costs.append(statistics.median(times[1:]))  # the first run warms caches and allocators
     model.zero_grad(set_to_none=True)
     return costs
 

@@ -157,12 +157,36 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     finally:
         outputs.close()
         if sched is not None:
-            try:
-                ray.kill(sched)
-            except Exception:
-                pass
+            _stop(sched, job_id)
         if started_ray:
             ray.shutdown()
+
+
+def _stop(sched, job_id: str, grace: float = 10.0) -> None:
+    """Stop the job's actors: ask the scheduler to stop at the next step boundary (it then
+    releases its workers and their placement group), and kill whatever is left."""
+    import ray
+
+    from actors.scheduler import placement_group_name
+
+    try:
+        if ray.get(sched.poll.remote(), timeout=5)["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
+            ray.get(sched.cancel.remote(), timeout=5)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if ray.get(sched.poll.remote(), timeout=5)["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
+                    break
+                time.sleep(0.2)
+    except Exception:
+        pass
+    try:
+        ray.kill(sched)  # its workers are owned by it and die with it
+    except Exception:
+        pass
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
+    except Exception:
+        pass
 
 
 def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -> dict:
@@ -176,6 +200,7 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
         bar = tqdm(total=spec.training.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
     m_seen = e_seen = 0
     all_events: list[dict] = []
+    all_metrics: list[dict] = []
     try:
         while True:
             finished = bool(ray.wait([done_ref], timeout=0.2)[0])
@@ -183,6 +208,7 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
             outputs.write(outputs.metrics, snap["metrics"])
             outputs.write(outputs.events, snap["events"])
             all_events += snap["events"]
+            all_metrics += snap["metrics"]
             m_seen += len(snap["metrics"])
             e_seen += len(snap["events"])
             if bar is not None:
@@ -194,9 +220,9 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
                     bar.set_postfix(loss=f"{last['loss']:.4f}", samples_s=f"{last['samples_per_s']:.0f}",
                                     shape=f"{last['dp']}x{last['pp']}")
             if finished:
-                ray.get(done_ref)
-                snap["events"] = all_events
-                return snap
+                final = ray.get(done_ref)  # the report, with the newest steps' timelines
+                final.update(metrics=all_metrics, events=all_events)
+                return final
     finally:
         if bar is not None:
             bar.close()

@@ -125,3 +125,29 @@ def test_user_spec_file_loads_and_preflights():
     s = load_spec(path)
     job = preflight(s, [FIXTURES])
     assert len(job.samples) == 96 and len(job.model) == 5
+
+
+@pytest.mark.parametrize("model, data, loss", [
+    ({"kind": "mlp"}, {"kind": "digits"}, "cross_entropy"),
+    ({"kind": "cnn"}, {"kind": "digits_images"}, "cross_entropy"),
+    ({"kind": "regression_mlp"}, {"kind": "regression"}, "mse"),
+    ({"kind": "char_transformer"}, {"kind": "chars"}, "cross_entropy"),
+])
+def test_builtins_fit_together(model, data, loss):
+    job = preflight(parse_spec(spec_with(model=model, data=data, loss=loss, parallelism__pp=2)))
+    assert len(job.model) >= 2 and len(job.samples) >= 32
+
+
+def test_loss_builder_from_user_code():
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:build"}, data={"builder": "userpkg.data:build"},
+                             loss={"builder": "userpkg.models:smooth_l1"}))
+    job = preflight(s, [FIXTURES])
+    out = job.model(job.samples.x[:4])
+    assert job.loss(out, job.samples.y[:4]).dim() == 0
+
+
+def test_loss_that_is_not_a_scalar():
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:build"}, data={"builder": "userpkg.data:build"},
+                             loss={"builder": "userpkg.models:build"}))  # returns a model, not a loss
+    with pytest.raises(SpecError, match="the loss fails on the model's output|must return a scalar"):
+        preflight(s, [FIXTURES])
