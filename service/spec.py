@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -30,38 +30,40 @@ def _check_import_path(v: Optional[str]) -> Optional[str]:
     return v
 
 
-class ModelSpec(_Strict):
+class _Source(_Strict):
+    """A builder import path or a built-in kind (exactly one), with its arguments."""
+
+    _what: ClassVar[str]
+    _kinds: ClassVar[tuple[str, ...]]
+
+    builder: Optional[str] = None
+    kind: Optional[str] = None
+    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder or built-in")
+
+    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if (self.builder is None) == (self.kind is None):
+            raise ValueError(f"give exactly one of {self._what}.builder ('module:function') or {self._what}.kind "
+                             f"(one of {', '.join(self._kinds)})")
+        return self
+
+
+class ModelSpec(_Source):
+    _what, _kinds = "model", MODEL_KINDS
     builder: Optional[str] = Field(
         None, description="'module:function' returning a torch.nn.Sequential; imported from the spec's folder")
     kind: Optional[Literal["mlp", "cnn", "regression_mlp", "char_transformer"]] = Field(
         None, description="a built-in model instead of a builder")
-    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder or built-in")
-
-    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.builder is None) == (self.kind is None):
-            raise ValueError("give exactly one of model.builder ('module:function') or model.kind "
-                             f"(one of {', '.join(MODEL_KINDS)})")
-        return self
 
 
-class DataSpec(_Strict):
+class DataSpec(_Source):
+    _what, _kinds = "data", DATA_KINDS
     builder: Optional[str] = Field(
         None, description="'module:function' returning (X, Y) tensors or a map-style Dataset of (x, y)")
     kind: Optional[Literal["digits", "digits_images", "regression", "chars"]] = Field(
         None, description="a built-in data set instead of a builder")
-    args: dict[str, Any] = Field(default_factory=dict, description="keyword arguments for the builder or built-in")
-
-    _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
-
-    @model_validator(mode="after")
-    def _one_source(self):
-        if (self.builder is None) == (self.kind is None):
-            raise ValueError("give exactly one of data.builder ('module:function') or data.kind "
-                             f"(one of {', '.join(DATA_KINDS)})")
-        return self
 
 
 class LossSpec(_Strict):
