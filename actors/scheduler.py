@@ -8,6 +8,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import sys
 import threading
 import time
 import traceback
@@ -20,9 +21,9 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.worker import StageWorker
 from service import checkpoint, partition, schedules
-from service.loading import build_data, build_model
+from service.loading import build_data, build_model, preflight
 from service.sampling import step_indices
-from service.spec import JobSpec
+from service.spec import JobSpec, SpecError
 from service.states import JobState
 
 NAMESPACE = "relaytrain"
@@ -68,10 +69,51 @@ def _traceback_text(name: str, err: Exception) -> str:
     return f"Traceback from worker {name}:\n" + "\n".join(lines)
 
 
+class StoreSink:
+    """Writes a job's progress to the job store as it happens.  A store that is briefly
+    unreachable does not stop training: rows wait and go with the next write."""
+
+    def __init__(self, url: str, job_id: str):
+        from service.store import Store
+
+        self.store, self.job_id = Store(url), job_id
+        self._events: list[dict] = []
+        self._metrics: list[dict] = []
+        self._lock = threading.Lock()
+
+    def write(self, events=(), metrics=(), state: Optional[JobState] = None, **fields) -> None:
+        with self._lock:
+            self._events += list(events)
+            self._metrics += list(metrics)
+            try:
+                if self._events:
+                    self.store.add_events(self.job_id, [_jsonable(e) for e in self._events])
+                    self._events = []
+                if self._metrics:
+                    self.store.add_metrics(self.job_id, self._metrics)
+                    self._metrics = []
+                if fields:
+                    self.store.update_job(self.job_id, **fields)
+                if state is not None:
+                    self.store.set_state(self.job_id, state, error=fields.get("error"))
+            except Exception as e:  # keep training; the rows are kept for the next write
+                print(f"relaytrain: job store write failed, will retry: {e}", file=sys.stderr)
+
+
+def _jsonable(row: dict) -> dict:
+    return {k: (v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)) for k, v in row.items()}
+
+
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
-                 resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0):
+                 resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
+                 store_url: Optional[str] = None, model_path: Optional[str] = None, detached: bool = False,
+                 preflight: bool = False):
         self.job_id = job_id
+        self.detached = detached
+        self.model_path = model_path
+        self.run_preflight = preflight
+        self.sink = StoreSink(store_url, job_id) if store_url else None
         self.spec = JobSpec.model_validate(spec)
         self.search = search
         self.checkpoint_root = checkpoint_root
@@ -97,8 +139,31 @@ class JobScheduler:
     # ---------------------------------------------------------------- reporting
 
     def _event(self, kind: str, message: str, **fields) -> None:
+        row = {"time": time.time(), "type": kind, "message": message, **fields}
         with self._lock:
-            self.events.append({"time": time.time(), "type": kind, "message": message, **fields})
+            self.events.append(row)
+        if self.sink:
+            self.sink.write(events=[row])
+
+    def _set_state(self, state: JobState, error: Optional[str] = None, **fields) -> None:
+        with self._lock:
+            self.state = state
+            if error is not None:
+                self.error = error
+        if self.sink:
+            self.sink.write(state=state, **({"error": error} if error else {}), **fields)
+
+    def start(self) -> bool:
+        """Run the job in a thread of this actor and return at once (the control plane
+        does not wait on a call that its own restart would cut)."""
+        threading.Thread(target=self._run_detached, name="relaytrain-job", daemon=True).start()
+        return True
+
+    def _run_detached(self) -> None:
+        self.run()
+        if self.detached:  # everything is in the store: leave nothing behind
+            time.sleep(1.0)
+            ray.actor.exit_actor()
 
     def poll(self, metrics_from: int = 0, events_from: int = 0) -> dict:
         with self._lock:
@@ -126,13 +191,15 @@ class JobScheduler:
     def run(self) -> dict:
         try:
             self._run()
-        except JobFailure as e:
-            self.state, self.error, self.error_detail = JobState.FAILED, str(e), e.detail
-            self._event("failed", str(e), detail=e.detail)
+        except (JobFailure, SpecError) as e:
+            self.error_detail = getattr(e, "detail", "")
+            self._event("failed", str(e), detail=self.error_detail)
+            self._set_state(JobState.FAILED, str(e))
         except Exception as e:  # a bug or an unexpected Ray error: still say why
-            self.state, self.error = JobState.FAILED, f"the scheduler raised {type(e).__name__}: {e}"
             self.error_detail = traceback.format_exc()
-            self._event("failed", self.error, detail=self.error_detail)
+            msg = f"the scheduler raised {type(e).__name__}: {e}"
+            self._event("failed", msg, detail=self.error_detail)
+            self._set_state(JobState.FAILED, msg)
         finally:
             self._teardown()
         final = self.poll(len(self.metrics), len(self.events))
@@ -142,22 +209,29 @@ class JobScheduler:
     def _run(self) -> None:
         spec = self.spec
         self._event("started", f"job {self.job_id} started")
+        if self.run_preflight:  # user code is imported here, never in the API server
+            preflight(spec, [os.getcwd(), *self.search])
         p = spec.parallelism
         bounds, boundary, costs = self._plan()
         gpus = self._gpus_per_worker()
         self.shape = {"dp": p.dp, "pp": p.pp, "partition": [b - a for a, b in bounds], "schedule": p.schedule,
                       "transport": p.transport, "microbatches": spec.microbatches, "gpus_per_worker": gpus}
+        if self.sink:
+            self.sink.write(shape=self.shape)
         self._event("shape", f"shape dp={p.dp} x pp={p.pp}, layers per stage {self.shape['partition']}, "
                     f"{p.schedule} with {spec.microbatches // p.dp} microbatches per replica, transport {p.transport}",
                     **self.shape, layer_costs_s=costs)
         self._spawn(bounds, boundary, gpus)
         start = self._maybe_resume()
-        self.state = JobState.RUNNING
+        self._set_state(JobState.RUNNING)
         self._train(start)
         if self.state is JobState.RUNNING:
-            self.state = JobState.SUCCEEDED
+            fields = {}
+            if self.model_path:
+                fields["model_path"] = self._save_model(self.model_path)
             self._event("finished", f"job finished: {spec.training.steps} steps, last loss "
                         f"{self.metrics[-1]['loss']:.6g}" if self.metrics else "job finished")
+            self._set_state(JobState.SUCCEEDED, **fields)
 
     def _plan(self):
         """Stage bounds, the (shape, dtype) at each stage boundary, and the layer costs."""
@@ -194,7 +268,8 @@ class JobScheduler:
         cpus = spec.resources.cpus_per_worker
         bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
         self.pg = placement_group([dict(bundle) for _ in range(p.dp * p.pp)], strategy="PACK",
-                                  name=placement_group_name(self.job_id))
+                                  name=placement_group_name(self.job_id),
+                                  lifetime="detached" if self.detached else None)
         if not self.pg.wait(self.start_timeout):
             total = ray.cluster_resources()
             raise JobFailure(
@@ -257,8 +332,8 @@ class JobScheduler:
         every = spec.checkpoint.every_steps
         for step in range(start, steps):
             if self._cancel.is_set():
-                self.state = JobState.CANCELLED
                 self._event("cancelled", f"job cancelled after {step} committed steps")
+                self._set_state(JobState.CANCELLED)
                 return
             t0 = time.time()
             stats = self._gather({k: w.run_step.remote(step) for k, w in self.workers.items()}, step, self.timeout)
@@ -269,6 +344,8 @@ class JobScheduler:
                     f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())}})
                 self.metrics.append(row)
                 self.step = step + 1
+            if self.sink:
+                self.sink.write(metrics=[row])
             if every and ((step + 1) % every == 0 or step + 1 == steps) and self.checkpoint_root:
                 path = checkpoint.save(self.checkpoint_root, step + 1, *self._collect_state(),
                                        {"job_id": self.job_id, "name": spec.name}, keep=spec.checkpoint.keep)
@@ -290,6 +367,13 @@ class JobScheduler:
                 "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
                 "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(p.dp)) for s in range(p.pp)],
                 "allreduce_s": max(s["allreduce_s"] for s in stats.values())}
+
+    def _save_model(self, path: str) -> str:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}"
+        torch.save(self._final, tmp)
+        os.replace(tmp, path)
+        return path
 
     def _collect_state(self) -> tuple[dict, dict]:
         """The whole model's state_dict and name-keyed optimizer state, from replica 0."""

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from fractions import Fraction
 
@@ -40,6 +41,153 @@ def _run(args) -> int:
     return 0
 
 
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+
+
+def _serve(args) -> int:
+    from service.auth import TokenError, is_loopback, load_tokens
+    from service.settings import Settings
+
+    over = {k: v for k, v in {"host": args.host, "port": args.port, "ray_address": args.ray_address,
+                              "db": args.db, "local_cpus": args.local_cpus}.items() if v is not None}
+    settings = Settings(**over)
+    try:
+        tokens = load_tokens(settings.api_tokens, settings.tokens_file)
+    except TokenError as e:
+        print(f"relaytrain serve: {e}", file=sys.stderr)
+        return 2
+    if not tokens and not is_loopback(settings.host):
+        print(f"relaytrain serve: refusing to listen on {settings.host} without API tokens; set "
+              "RELAYTRAIN_API_TOKENS='tenant:token,...' (or RELAYTRAIN_TOKENS_FILE), or bind to 127.0.0.1",
+              file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from api.app import create_app
+
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    return 0
+
+
+def _client(args):
+    from service.client import Client
+
+    return Client(args.server)
+
+
+def _print_job(job: dict) -> None:
+    shape = job.get("shape") or {}
+    loss = f"{job['loss']:.6g}" if job.get("loss") is not None else "-"
+    print(f"{job['id']}  {job['state']:<10} step {job['step']}/{job['steps']}  loss {loss}  "
+          f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}" + (f"\n  error: {job['error']}" if job.get("error") else ""))
+
+
+def _submit(args) -> int:
+    import json
+    from pathlib import Path
+
+    from service.client import ApiError
+    from service.packages import zip_folder
+    from service.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.spec)
+    except SpecError as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return 2
+    client = _client(args)
+    body = spec.model_dump(mode="json")
+    try:
+        if spec.uses_imports and "working_dir" not in spec.runtime_env:
+            pkg = client.upload_package(zip_folder(Path(args.spec).resolve().parent))
+            body["runtime_env"] = {**body["runtime_env"], "working_dir": pkg["uri"]}
+        job = client.submit(body)
+        if not args.json:
+            print(f"submitted {job['id']}", file=sys.stderr)
+        if args.wait:
+            job = _follow_remote(client, job, quiet=args.json)
+    except ApiError as e:
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return 1 if e.status == 0 else 2 if e.status in (400, 401, 404, 413, 422) else 1
+    except KeyboardInterrupt:
+        print("relaytrain: stopped following; the job goes on (relaytrain cancel JOB stops it)", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(job))
+    elif not args.wait:
+        _print_job(job)
+    if args.wait and job["state"] != "SUCCEEDED":
+        if not args.json:
+            print(f"relaytrain: job {job['id']} ended {job['state']}: {job.get('error') or ''}".rstrip(": "),
+                  file=sys.stderr)
+        return 1
+    return 0
+
+
+def _follow_remote(client, job: dict, quiet: bool) -> dict:
+    if quiet:
+        return client.wait(job["id"])
+    from tqdm import tqdm
+
+    bar = tqdm(total=job["steps"], desc=job["id"], unit="step", file=sys.stderr, dynamic_ncols=True)
+
+    def update(j):
+        bar.update(j["step"] - bar.n)
+        if j.get("loss") is not None:
+            bar.set_postfix(loss=f"{j['loss']:.4f}", samples_s=f"{j.get('samples_per_s') or 0:.0f}", state=j["state"])
+
+    try:
+        final = client.wait(job["id"], update)
+    finally:
+        bar.close()
+    _print_job(final)
+    return final
+
+
+def _remote(fn):
+    def run(args) -> int:
+        from service.client import ApiError
+
+        try:
+            return fn(_client(args), args) or 0
+        except ApiError as e:
+            print(f"relaytrain: {e}", file=sys.stderr)
+            return 1
+    return run
+
+
+@_remote
+def _list(client, args):
+    page = client.jobs(args.state, args.limit)
+    for job in page["items"]:
+        _print_job(job)
+    print(f"{len(page['items'])} of {page['total']} jobs", file=sys.stderr)
+
+
+@_remote
+def _status(client, args):
+    import json
+
+    job = client.job(args.job)
+    print(json.dumps(job, indent=1)) if args.json else _print_job(job)
+
+
+@_remote
+def _events(client, args):
+    for e in client.events(args.job):
+        print(f"{e['time']:.3f} {e['type']:<10} {e['message']}")
+
+
+@_remote
+def _logs(client, args):
+    sys.stdout.write(client.logs(args.job))
+
+
+@_remote
+def _cancel(client, args):
+    _print_job(client.cancel(args.job))
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="relaytrain", description="Elastic data x pipeline parallel training on Ray.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -60,6 +208,36 @@ def main(argv=None) -> int:
     sch.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
     sch.add_argument("--backward-cost", default="2", help="backward time in units of forward time (default 2)")
     sch.set_defaults(fn=_schedule)
+
+    srv = sub.add_parser("serve", help="run the REST API server (control plane)")
+    srv.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
+    srv.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
+    srv.add_argument("--db", default=None, help="job store URL (default: SQLite under the user's data folder)")
+    srv.add_argument("--local-cpus", type=int, default=None, help="CPU slots of the local Ray (default: all cores)")
+    srv.set_defaults(fn=_serve)
+
+    def remote(name, fn, help_, job=True):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("--server", default=os.environ.get("RELAYTRAIN_SERVER", DEFAULT_SERVER),
+                       help="API server URL (env RELAYTRAIN_SERVER; token from RELAYTRAIN_TOKEN)")
+        if job:
+            p.add_argument("job", help="job id")
+        p.set_defaults(fn=fn)
+        return p
+
+    sb = remote("submit", _submit, "submit a job spec to the server (uploads the spec's folder)", job=False)
+    sb.add_argument("spec")
+    sb.add_argument("--wait", action="store_true", help="follow the job until it ends; exit 0 only on SUCCEEDED")
+    sb.add_argument("--json", action="store_true", help="print the final job as one JSON line, last")
+    ls = remote("list", _list, "list your jobs, newest first", job=False)
+    ls.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
+    ls.add_argument("--limit", type=int, default=50)
+    st = remote("status", _status, "show one job")
+    st.add_argument("--json", action="store_true")
+    remote("events", _events, "show a job's events")
+    remote("logs", _logs, "show a job's log")
+    remote("cancel", _cancel, "cancel a job")
 
     args = ap.parse_args(argv)
     return args.fn(args)

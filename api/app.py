@@ -1,0 +1,80 @@
+"""The FastAPI application: routes, auth, limits, telemetry."""
+from __future__ import annotations
+
+import time
+from contextlib import asynccontextmanager
+from typing import Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from api.routes import health, jobs, packages
+from service.auth import Authenticator, load_tokens
+from service.jobs import JobError, JobManager
+from service.settings import Settings
+from service.states import JobState
+from service.store import Store
+
+
+class Telemetry:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.jobs = Gauge("relaytrain_jobs", "jobs in the store by state", ["state"], registry=self.registry)
+        self.requests = Counter("relaytrain_http_requests_total", "HTTP requests", ["method", "route", "status"],
+                                registry=self.registry)
+        self.latency = Histogram("relaytrain_http_request_seconds", "HTTP request latency", ["method", "route"],
+                                 registry=self.registry)
+
+    def refresh(self, store: Store) -> None:
+        counts = store.count_by_state()
+        for s in JobState:
+            self.jobs.labels(state=s.value).set(counts.get(s.value, 0))
+
+
+def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) -> FastAPI:
+    settings = settings or Settings()
+    settings.home.mkdir(parents=True, exist_ok=True)
+    store = Store(settings.db_url)
+    manager = JobManager(settings, store)
+    auth = Authenticator(load_tokens(settings.api_tokens, settings.tokens_file))
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        if connect_ray:
+            manager.connect()
+            manager.start_background()
+        yield
+        manager.stop_background()
+
+    app = FastAPI(title="relaytrain", version="0.1.0", lifespan=lifespan,
+                  description="Elastic data x pipeline parallel training on Ray. Send "
+                              "'Authorization: Bearer <token>' on every /v1 call.")
+    app.state.manager, app.state.auth, app.state.settings = manager, auth, settings
+    app.state.telemetry = Telemetry()
+
+    @app.middleware("http")
+    async def limits_and_telemetry(request: Request, call_next):
+        t0 = time.perf_counter()
+        length = request.headers.get("content-length")
+        is_package = request.url.path.startswith("/v1/packages")
+        limit = settings.max_package_bytes if is_package else settings.max_body_bytes
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            response = JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, status_code=413)
+        else:
+            response = await call_next(request)
+        route = request.scope.get("route")
+        path = getattr(route, "path", "unmatched")
+        tel = request.app.state.telemetry
+        tel.requests.labels(request.method, path, str(response.status_code)).inc()
+        tel.latency.labels(request.method, path).observe(time.perf_counter() - t0)
+        return response
+
+    @app.exception_handler(JobError)
+    async def job_error(_request: Request, exc: JobError):
+        return JSONResponse({"detail": exc.message}, status_code=exc.status)
+
+    app.include_router(health.router)
+    app.include_router(jobs.router)
+    app.include_router(packages.router)
+    return app

@@ -1,0 +1,90 @@
+"""/v1/jobs: submit, list, inspect, cancel, follow and download jobs."""
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+from fastapi import APIRouter, Header, Query, Response
+from fastapi.responses import FileResponse, PlainTextResponse
+
+from api.deps import ManagerDep, TenantDep
+from api.schemas import ErrorOut, EventOut, JobOut, JobPage
+from service.spec import JobSpec
+from service.states import JobState
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}}
+
+
+@router.post("", status_code=201, response_model=JobOut,
+             responses={200: {"model": JobOut, "description": "an earlier job with the same Idempotency-Key"},
+                        401: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}})
+def submit_job(spec: JobSpec, manager: ManagerDep, tenant: TenantDep, response: Response,
+               idempotency_key: Annotated[Optional[str], Header(max_length=255)] = None) -> JobOut:
+    """Submit a job spec; it starts at once on the cluster. A retried POST with the same
+    Idempotency-Key returns the first job (200) instead of starting a second."""
+    job, created = manager.submit(tenant, spec, idempotency_key)
+    if not created:
+        response.status_code = 200
+    return JobOut.from_row(job)
+
+
+@router.get("", response_model=JobPage, responses={401: {"model": ErrorOut}})
+def list_jobs(manager: ManagerDep, tenant: TenantDep,
+              state: Annotated[Optional[list[JobState]], Query(description="keep jobs in these states")] = None,
+              limit: Annotated[int, Query(ge=1, le=500)] = 50,
+              offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0) -> JobPage:
+    """The tenant's jobs, newest first."""
+    rows, total = manager.store.list_jobs(tenant, [s.value for s in state or []], limit, offset)
+    return JobPage(items=[JobOut.from_row(r) for r in rows], total=total, limit=limit, offset=offset)
+
+
+@router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
+def get_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
+    return JobOut.from_row(manager.get(tenant, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobOut, responses={**ERRORS, 409: {"model": ErrorOut}})
+def cancel_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
+    """Stop a job at its next step boundary; 409 if it already ended."""
+    return JobOut.from_row(manager.cancel(tenant, job_id))
+
+
+@router.get("/{job_id}/events", response_model=list[EventOut], responses=ERRORS)
+def job_events(job_id: str, manager: ManagerDep, tenant: TenantDep,
+               after: Annotated[int, Query(ge=0, description="only events with a larger id")] = 0,
+               limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
+    manager.get(tenant, job_id)
+    return manager.store.get_events(job_id, after, limit)
+
+
+@router.get("/{job_id}/metrics", response_model=list[dict], responses=ERRORS)
+def job_metrics(job_id: str, manager: ManagerDep, tenant: TenantDep,
+                after_step: Annotated[int, Query(ge=0)] = 0,
+                limit: Annotated[int, Query(ge=1, le=100000)] = 10000) -> list[dict]:
+    """One row per committed step (step, loss, time, samples_per_s, dp, pp, bubble, ...)."""
+    manager.get(tenant, job_id)
+    return manager.store.get_metrics(job_id, after_step, limit)
+
+
+@router.get("/{job_id}/model", response_class=FileResponse,
+            responses={**ERRORS, 409: {"model": ErrorOut},
+                       200: {"content": {"application/octet-stream": {}}, "description": "torch.save'd state_dict"}})
+def job_model(job_id: str, manager: ManagerDep, tenant: TenantDep):
+    """The trained model's state_dict (torch.load it), once the job SUCCEEDED."""
+    path = manager.model_path(tenant, job_id)
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.pt")
+
+
+@router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS)
+def job_logs(job_id: str, manager: ManagerDep, tenant: TenantDep) -> str:
+    """The job's log: its events as text lines, failures with their tracebacks."""
+    import datetime
+
+    manager.get(tenant, job_id)
+    lines = []
+    for e in manager.store.get_events(job_id, 0, 100000):
+        t = datetime.datetime.fromtimestamp(e["time"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
+        lines.append(f"{t} {e['type']:<10} {e['message']}")
+        if e.get("detail"):
+            lines += ["    " + ln for ln in str(e["detail"]).splitlines()]
+    return "\n".join(lines) + "\n"

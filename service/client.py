@@ -1,0 +1,81 @@
+"""HTTP client of the REST API, used by the CLI (token from RELAYTRAIN_TOKEN)."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from typing import Any, Optional
+
+import httpx
+
+
+class ApiError(RuntimeError):
+    def __init__(self, status: int, detail: Any):
+        self.status, self.detail = status, detail
+        super().__init__(f"HTTP {status}: {format_detail(detail)}")
+
+
+def format_detail(detail: Any) -> str:
+    if isinstance(detail, list):  # FastAPI validation errors
+        return "; ".join(f"{'.'.join(str(x) for x in d.get('loc', [])[1:]) or 'body'}: "
+                         f"{str(d.get('msg', '')).removeprefix('Value error, ')}" for d in detail)
+    return str(detail)
+
+
+class Client:
+    def __init__(self, server: str, token: Optional[str] = None, timeout: float = 60.0):
+        token = token if token is not None else os.environ.get("RELAYTRAIN_TOKEN")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.http = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout,
+                                 transport=httpx.HTTPTransport(retries=3))
+
+    def _call(self, method: str, path: str, **kw) -> httpx.Response:
+        try:
+            r = self.http.request(method, path, **kw)
+        except httpx.TransportError as e:
+            raise ApiError(0, f"cannot reach the server at {self.http.base_url}: {e}") from None
+        if r.status_code >= 400:
+            try:
+                detail = r.json().get("detail", r.text)
+            except ValueError:
+                detail = r.text
+            raise ApiError(r.status_code, detail)
+        return r
+
+    def upload_package(self, data: bytes) -> dict:
+        return self._call("POST", "/v1/packages", content=data, headers={"Content-Type": "application/zip"}).json()
+
+    def submit(self, spec: dict, idempotency_key: Optional[str] = None) -> dict:
+        key = idempotency_key or uuid.uuid4().hex
+        return self._call("POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": key}).json()
+
+    def job(self, job_id: str) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}").json()
+
+    def jobs(self, state: Optional[list[str]] = None, limit: int = 50, offset: int = 0) -> dict:
+        return self._call("GET", "/v1/jobs", params={"state": state or [], "limit": limit, "offset": offset}).json()
+
+    def cancel(self, job_id: str) -> dict:
+        return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
+
+    def events(self, job_id: str, after: int = 0) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after}).json()
+
+    def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/metrics", params={"after_step": after_step}).json()
+
+    def logs(self, job_id: str) -> str:
+        return self._call("GET", f"/v1/jobs/{job_id}/logs").text
+
+    def model(self, job_id: str) -> bytes:
+        return self._call("GET", f"/v1/jobs/{job_id}/model").content
+
+    def wait(self, job_id: str, on_update=None, poll: float = 1.0) -> dict:
+        terminal = {"SUCCEEDED", "FAILED", "CANCELLED"}
+        while True:
+            job = self.job(job_id)
+            if on_update:
+                on_update(job)
+            if job["state"] in terminal:
+                return job
+            time.sleep(poll)

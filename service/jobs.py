@@ -1,0 +1,250 @@
+"""JobManager: the control plane's logic between the REST routes and Ray.
+
+It validates and stores a job, starts its detached, named JobScheduler actor and
+forgets it: the scheduler writes progress to the store itself, so this process holds no
+training state and may restart at any time.  ``reconcile`` marks FAILED the active jobs
+whose scheduler actor is gone (the cluster restarted), so none stays RUNNING forever.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Optional
+
+from service import packages
+from service.loading import preflight
+from service.settings import Settings
+from service.spec import JobSpec, SpecError
+from service.states import JobState
+from service.store import Store
+
+log = logging.getLogger("relaytrain.jobs")
+NAMESPACE = "relaytrain"
+
+
+class JobError(Exception):
+    status = 400
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class NotFound(JobError):
+    status = 404
+
+
+class Conflict(JobError):
+    status = 409
+
+
+class Invalid(JobError):
+    status = 422
+
+
+class TooMany(JobError):
+    status = 429
+
+
+def scheduler_name(job_id: str) -> str:
+    return f"relaytrain:{job_id}:scheduler"
+
+
+class JobManager:
+    def __init__(self, settings: Settings, store: Store):
+        self.settings, self.store = settings, store
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    # ---------------------------------------------------------------- Ray
+
+    def connect(self) -> None:
+        import ray
+
+        if ray.is_initialized():
+            return
+        kwargs = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
+        if self.settings.ray_address:
+            ray.init(address=self.settings.ray_address, **kwargs)
+        else:
+            ray.init(num_cpus=self.settings.local_cpus, include_dashboard=False, **kwargs)
+
+    def ray_ok(self) -> bool:
+        import ray
+
+        try:
+            return ray.is_initialized() and bool(ray.cluster_resources())
+        except Exception:
+            return False
+
+    # ---------------------------------------------------------------- submit
+
+    def submit(self, tenant: str, spec: JobSpec, idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
+        if idempotency_key:
+            existing = self.store.find_by_idempotency_key(tenant, idempotency_key)
+            if existing is not None:
+                return existing, False
+        env = dict(spec.runtime_env)
+        wd = env.get("working_dir")
+        if wd is not None:
+            m = packages.URI_RE.match(str(wd))
+            if not m or not self.store.has_package(m.group(1), tenant):
+                raise Invalid(f"runtime_env.working_dir {wd!r} is not a package you uploaded: upload your code "
+                              "with POST /v1/packages (relaytrain submit does) and use the uri it returns")
+        elif spec.uses_imports and "py_modules" not in env:
+            raise Invalid("the spec imports user code (model.builder, data.builder or loss.builder) but names no "
+                          "runtime_env.working_dir: upload the code with POST /v1/packages and set "
+                          "runtime_env.working_dir to the uri it returns (relaytrain submit does both)")
+        if not spec.uses_imports:
+            try:  # built-ins only: safe to try here, so a spec that cannot work is refused now
+                preflight(spec)
+            except SpecError as e:
+                raise Invalid(str(e)) from None
+        self._check_fits(spec)
+        if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
+            raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
+                          "the limit; wait for one to end or cancel one")
+        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
+        job, created = self.store.create_job(job_id, tenant, spec.model_dump(mode="json"), idempotency_key)
+        if created:
+            self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
+            self._launch(job)
+            job = self.store.get_job(job_id)
+        return job, created
+
+    def _check_fits(self, spec: JobSpec) -> None:
+        import ray
+
+        res = ray.cluster_resources()
+        workers = spec.parallelism.dp * spec.parallelism.pp
+        cpus = workers * spec.resources.cpus_per_worker
+        if cpus > res.get("CPU", 0):
+            raise Invalid(f"the job needs {cpus:g} CPU slots ({workers} workers x {spec.resources.cpus_per_worker:g}) "
+                          f"but the whole cluster has {res.get('CPU', 0):g}: lower parallelism.dp x parallelism.pp "
+                          "or resources.cpus_per_worker")
+        gpus = workers * (spec.resources.gpus_per_worker or 0)
+        if gpus > res.get("GPU", 0):
+            raise Invalid(f"the job needs {gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}: "
+                          "lower resources.gpus_per_worker or dp x pp")
+
+    def _launch(self, job: dict) -> None:
+        import ray
+
+        from actors.scheduler import JobScheduler
+
+        spec = JobSpec.model_validate(job["spec"])
+        env = dict(spec.runtime_env)
+        try:
+            if env.get("working_dir"):
+                packages.ensure_in_cluster(env["working_dir"], self.settings.packages_dir)
+            ckpt = Path(spec.checkpoint.path)
+            if not ckpt.is_absolute():
+                ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
+            model_path = str(self.settings.models_dir / job["tenant"] / f"{job['id']}.pt")
+            actor = ray.remote(JobScheduler).options(
+                name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
+                max_concurrency=4, runtime_env=env or None,
+            ).remote(job["id"], job["spec"], [], str(ckpt) if spec.checkpoint.every_steps else None, None,
+                     300.0, 120.0, self.store.url, model_path, True, True)
+            ref = actor.start.remote()
+        except Exception as e:
+            self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
+            return
+        threading.Thread(target=self._watch_start, args=(job["id"], ref), daemon=True).start()
+
+    def _watch_start(self, job_id: str, ref) -> None:
+        import ray
+
+        try:
+            ray.get(ref, timeout=600)
+        except Exception as e:
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            self._fail(job_id, f"the job's scheduler did not start: {reason}")
+
+    def _fail(self, job_id: str, reason: str) -> None:
+        if self.store.set_state(job_id, JobState.FAILED, error=reason):
+            self.store.add_events(job_id, [{"type": "failed", "message": reason}])
+
+    # ---------------------------------------------------------------- queries
+
+    def get(self, tenant: str, job_id: str) -> dict:
+        job = self.store.get_job(job_id, tenant)
+        if job is None:
+            raise NotFound(f"no job {job_id!r}")
+        return job
+
+    def cancel(self, tenant: str, job_id: str, wait: float = 15.0) -> dict:
+        import ray
+
+        job = self.get(tenant, job_id)
+        if JobState(job["state"]).is_terminal:
+            raise Conflict(f"job {job_id} already ended {job['state']}; only active jobs can be cancelled")
+        try:
+            actor = ray.get_actor(scheduler_name(job_id), namespace=NAMESPACE)
+        except ValueError:
+            actor = None
+        if actor is not None:
+            try:
+                ray.get(actor.cancel.remote(), timeout=5)
+            except Exception:
+                actor = None
+        if actor is None:
+            if self.store.set_state(job_id, JobState.CANCELLED):
+                self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled before it ran"}])
+            return self.get(tenant, job_id)
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            job = self.get(tenant, job_id)
+            if JobState(job["state"]).is_terminal:
+                return job
+            time.sleep(0.2)
+        return self.get(tenant, job_id)
+
+    def model_path(self, tenant: str, job_id: str) -> Path:
+        job = self.get(tenant, job_id)
+        if job["state"] != JobState.SUCCEEDED.value or not job.get("model_path"):
+            raise Conflict(f"job {job_id} is {job['state']}; its model can be downloaded once it is SUCCEEDED")
+        path = Path(job["model_path"])
+        if not path.is_file():
+            raise NotFound(f"the model file of job {job_id} is missing from {path.parent}")
+        return path
+
+    # ---------------------------------------------------------------- reconcile
+
+    def reconcile(self) -> int:
+        """Mark FAILED each active job whose scheduler actor is gone; returns how many."""
+        import ray
+
+        active = [s.value for s in JobState if not s.is_terminal]
+        jobs, _ = self.store.list_jobs(states=active, limit=10000)
+        lost = 0
+        for job in jobs:
+            if time.time() - job["created_at"] < 5:
+                continue  # just submitted: its actor may still be registering
+            try:
+                ray.get_actor(scheduler_name(job["id"]), namespace=NAMESPACE)
+            except ValueError:
+                fresh = self.store.get_job(job["id"])
+                if fresh and not JobState(fresh["state"]).is_terminal:
+                    self._fail(job["id"], "the job's scheduler actor is gone (the Ray cluster restarted or lost "
+                                          "its node); the job can not go on")
+                    lost += 1
+        return lost
+
+    def start_background(self) -> None:
+        def loop():
+            while not self._stop.wait(self.settings.reconcile_seconds):
+                try:
+                    self.reconcile()
+                except Exception as e:
+                    log.warning("reconcile failed: %s", e)
+
+        self.reconcile()
+        self._thread = threading.Thread(target=loop, name="relaytrain-reconcile", daemon=True)
+        self._thread.start()
+
+    def stop_background(self) -> None:
+        self._stop.set()

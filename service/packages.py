@@ -1,0 +1,79 @@
+"""Uploaded code packages: content-addressed zips a spec's runtime_env.working_dir can name
+(``gcs://_ray_pkg_<sha256>.zip``), as with Ray's own job submission."""
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import zipfile
+from pathlib import Path
+
+URI_RE = re.compile(r"^gcs://_ray_pkg_([0-9a-f]{64})\.zip$")
+MAX_EXPANSION = 20  # uncompressed size may be at most this many times the upload
+
+
+class PackageError(ValueError):
+    pass
+
+
+def uri_for(sha: str) -> str:
+    return f"gcs://_ray_pkg_{sha}.zip"
+
+
+def check_zip(data: bytes, max_bytes: int) -> None:
+    if len(data) > max_bytes:
+        raise PackageError(f"the package is {len(data)} bytes, over the limit of {max_bytes}")
+    if not zipfile.is_zipfile(io.BytesIO(data)):
+        raise PackageError("the upload is not a zip file; send the zipped folder of your code")
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        total = 0
+        for info in z.infolist():
+            name = info.filename
+            if name.startswith("/") or ".." in Path(name).parts:
+                raise PackageError(f"the zip holds an unsafe path {name!r}; paths must stay inside the folder")
+            total += info.file_size
+        if total > max(max_bytes, len(data)) * MAX_EXPANSION:
+            raise PackageError(f"the zip expands to {total} bytes, too large for its size")
+
+
+def save(data: bytes, root: Path, max_bytes: int) -> tuple[str, str]:
+    """Store the zip under ``root`` by content; returns (sha256, uri)."""
+    check_zip(data, max_bytes)
+    sha = hashlib.sha256(data).hexdigest()
+    root.mkdir(parents=True, exist_ok=True)
+    path = root / f"{sha}.zip"
+    if not path.exists():
+        tmp = root / f".{sha}.{os.getpid()}.tmp"
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+    return sha, uri_for(sha)
+
+
+def ensure_in_cluster(uri: str, root: Path) -> None:
+    """Make sure Ray's GCS holds the package (again, after a cluster restart)."""
+    from ray._private.runtime_env.packaging import package_exists, upload_package_to_gcs
+
+    m = URI_RE.match(uri)
+    if not m:
+        raise PackageError(f"{uri!r} is not a package URI from POST /v1/packages")
+    if not package_exists(uri):
+        path = root / f"{m.group(1)}.zip"
+        if not path.exists():
+            raise PackageError(f"package {uri} is not known here; upload it with POST /v1/packages")
+        upload_package_to_gcs(uri, path.read_bytes())
+
+
+def zip_folder(folder: Path, excludes=(".git", ".venv", "venv", "__pycache__", "node_modules", "checkpoints", "out")) -> bytes:
+    """Zip a folder's files at the zip's root (what the CLI uploads)."""
+    buf = io.BytesIO()
+    folder = Path(folder)
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
+        for dirpath, dirnames, filenames in os.walk(folder):
+            dirnames[:] = sorted(d for d in dirnames if d not in excludes)
+            for f in sorted(filenames):
+                if f.endswith((".pt", ".pth", ".pyc")):
+                    continue
+                full = Path(dirpath) / f
+                z.write(full, full.relative_to(folder).as_posix())
+    return buf.getvalue()

@@ -1,0 +1,44 @@
+"""Server settings, from the environment (prefix RELAYTRAIN_) or the command line."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    from platformdirs import user_data_dir
+
+    return Path(os.environ.get("RELAYTRAIN_HOME") or user_data_dir("relaytrain"))
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="RELAYTRAIN_", extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to bind; anything but loopback needs API tokens")
+    port: int = Field(8000, ge=0, le=65535)
+    ray_address: Optional[str] = Field(None, description="an existing Ray cluster; unset: start a local one")
+    db: Optional[str] = Field(None, description="job store URL (sqlite:///..., postgresql://...); unset: SQLite under home")
+    home: Path = Field(default_factory=default_home, description="data folder: store, models, packages")
+    api_tokens: str = Field("", description="'tenant:token,tenant2:token2'")
+    tokens_file: Optional[Path] = Field(None, description="file of 'tenant:token' lines")
+    max_body_bytes: int = Field(1 << 20, description="largest JSON request body")
+    max_package_bytes: int = Field(100 << 20, description="largest uploaded code package")
+    max_active_jobs_per_tenant: int = Field(8, ge=1, description="PENDING, RUNNING or RESHAPING jobs per tenant")
+    reconcile_seconds: float = Field(10.0, gt=0, description="how often jobs are checked against their actors")
+    local_cpus: Optional[int] = Field(None, description="CPU slots of the local Ray this server starts")
+
+    @property
+    def db_url(self) -> str:
+        return self.db or f"sqlite:///{self.home / 'relaytrain.db'}"
+
+    @property
+    def models_dir(self) -> Path:
+        return self.home / "models"
+
+    @property
+    def packages_dir(self) -> Path:
+        return self.home / "packages"

@@ -1,0 +1,255 @@
+"""The durable job store: SQLite by default, PostgreSQL by URL, through SQLAlchemy Core.
+
+Holds jobs (spec, state, progress, error), their events and their per-step metrics, so
+a job's history outlives its actors, the API server and the cluster.  Metrics are keyed
+by (job, step): a step recorded twice is recorded once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import sqlalchemy as sa
+from sqlalchemy.exc import IntegrityError
+
+from service.states import JobState
+
+SCHEMA_VERSION = 1
+metadata = sa.MetaData()
+
+jobs = sa.Table(
+    "jobs", metadata,
+    sa.Column("id", sa.String(80), primary_key=True),
+    sa.Column("tenant", sa.String(128), nullable=False, index=True),
+    sa.Column("name", sa.String(63), nullable=False),
+    sa.Column("spec", sa.JSON, nullable=False),
+    sa.Column("state", sa.String(16), nullable=False, index=True),
+    sa.Column("created_at", sa.Float, nullable=False, index=True),
+    sa.Column("started_at", sa.Float),
+    sa.Column("ended_at", sa.Float),
+    sa.Column("step", sa.Integer, nullable=False, default=0),
+    sa.Column("steps", sa.Integer, nullable=False),
+    sa.Column("loss", sa.Float),
+    sa.Column("samples_per_s", sa.Float),
+    sa.Column("shape", sa.JSON),
+    sa.Column("error", sa.Text),
+    sa.Column("idempotency_key", sa.String(255)),
+    sa.Column("model_path", sa.Text),
+    sa.UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency"),
+)
+
+events = sa.Table(
+    "events", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False, index=True),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("type", sa.String(32), nullable=False),
+    sa.Column("message", sa.Text, nullable=False),
+    sa.Column("data", sa.JSON),
+)
+
+metrics = sa.Table(
+    "metrics", metadata,
+    sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("data", sa.JSON, nullable=False),
+)
+
+packages = sa.Table(
+    "packages", metadata,
+    sa.Column("sha256", sa.String(64), primary_key=True),
+    sa.Column("tenant", sa.String(128), primary_key=True),
+    sa.Column("size", sa.Integer, nullable=False),
+    sa.Column("created_at", sa.Float, nullable=False),
+)
+
+meta = sa.Table(
+    "relaytrain_meta", metadata,
+    sa.Column("key", sa.String(64), primary_key=True),
+    sa.Column("value", sa.String(255), nullable=False),
+)
+
+JOB_FIELDS = [c.name for c in jobs.columns]
+
+
+def default_url() -> str:
+    """A SQLite file under the user's data folder."""
+    from platformdirs import user_data_dir
+
+    folder = Path(os.environ.get("RELAYTRAIN_HOME") or user_data_dir("relaytrain"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{folder / 'relaytrain.db'}"
+
+
+def _normalise(url: str) -> str:
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://"):]
+    return url
+
+
+class Store:
+    def __init__(self, url: Optional[str] = None):
+        self.url = _normalise(url or default_url())
+        kwargs: dict[str, Any] = {"future": True}
+        if self.url.startswith("sqlite"):
+            kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
+        else:
+            kwargs["pool_pre_ping"] = True
+        self.engine = sa.create_engine(self.url, **kwargs)
+        if self.url.startswith("sqlite"):
+            @sa.event.listens_for(self.engine, "connect")
+            def _pragmas(conn, _record):
+                cur = conn.cursor()
+                cur.execute("PRAGMA journal_mode=WAL")
+                cur.execute("PRAGMA foreign_keys=ON")
+                cur.execute("PRAGMA synchronous=NORMAL")
+                cur.close()
+        self.migrate()
+
+    def migrate(self) -> None:
+        """Create the schema, or bring an older one up to this version."""
+        metadata.create_all(self.engine)
+        with self.engine.begin() as c:
+            row = c.execute(sa.select(meta.c.value).where(meta.c.key == "schema_version")).first()
+            if row is None:
+                c.execute(meta.insert().values(key="schema_version", value=str(SCHEMA_VERSION)))
+            elif int(row.value) > SCHEMA_VERSION:
+                raise RuntimeError(f"the job store at {self.url} has schema {row.value}, newer than this "
+                                   f"relaytrain ({SCHEMA_VERSION}); upgrade relaytrain")
+
+    def ping(self) -> bool:
+        with self.engine.connect() as c:
+            c.execute(sa.text("SELECT 1"))
+        return True
+
+    # ---------------------------------------------------------------- jobs
+
+    def create_job(self, job_id: str, tenant: str, spec: dict, idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
+        """Insert a PENDING job; returns (job, created).  With an idempotency key already
+        used by this tenant, returns that job and created=False."""
+        row = {"id": job_id, "tenant": tenant, "name": spec["name"], "spec": spec, "state": JobState.PENDING.value,
+               "created_at": time.time(), "step": 0, "steps": spec["training"]["steps"],
+               "idempotency_key": idempotency_key}
+        try:
+            with self.engine.begin() as c:
+                c.execute(jobs.insert().values(**row))
+            return self.get_job(job_id), True
+        except IntegrityError:  # two requests with one key raced: the first one won
+            found = self.find_by_idempotency_key(tenant, idempotency_key) if idempotency_key else None
+            if found is None:
+                raise
+            return found, False
+
+    def find_by_idempotency_key(self, tenant: str, key: str) -> Optional[dict]:
+        with self.engine.connect() as c:
+            row = c.execute(sa.select(jobs).where(jobs.c.tenant == tenant, jobs.c.idempotency_key == key)).first()
+        return dict(row._mapping) if row else None
+
+    def get_job(self, job_id: str, tenant: Optional[str] = None) -> Optional[dict]:
+        q = sa.select(jobs).where(jobs.c.id == job_id)
+        if tenant is not None:
+            q = q.where(jobs.c.tenant == tenant)
+        with self.engine.connect() as c:
+            row = c.execute(q).first()
+        return dict(row._mapping) if row else None
+
+    def list_jobs(self, tenant: Optional[str] = None, states: Iterable[str] = (), limit: int = 50,
+                  offset: int = 0) -> tuple[list[dict], int]:
+        q = sa.select(jobs)
+        n = sa.select(sa.func.count()).select_from(jobs)
+        if tenant is not None:
+            q, n = q.where(jobs.c.tenant == tenant), n.where(jobs.c.tenant == tenant)
+        states = list(states)
+        if states:
+            q, n = q.where(jobs.c.state.in_(states)), n.where(jobs.c.state.in_(states))
+        q = q.order_by(jobs.c.created_at.desc(), jobs.c.id.desc()).limit(limit).offset(offset)
+        with self.engine.connect() as c:
+            return [dict(r._mapping) for r in c.execute(q)], int(c.execute(n).scalar_one())
+
+    def update_job(self, job_id: str, **fields) -> None:
+        with self.engine.begin() as c:
+            c.execute(jobs.update().where(jobs.c.id == job_id).values(**fields))
+
+    def set_state(self, job_id: str, state: JobState, error: Optional[str] = None, only_if_active: bool = True) -> bool:
+        """Move a job to ``state``; a job already ended keeps its end (returns False)."""
+        values: dict[str, Any] = {"state": state.value}
+        if state is JobState.RUNNING:
+            values["started_at"] = time.time()
+        if state.is_terminal:
+            values["ended_at"] = time.time()
+        if error is not None:
+            values["error"] = error
+        q = jobs.update().where(jobs.c.id == job_id)
+        if only_if_active:
+            q = q.where(jobs.c.state.notin_([s.value for s in JobState if s.is_terminal]))
+        with self.engine.begin() as c:
+            return c.execute(q.values(**values)).rowcount > 0
+
+    def count_active(self, tenant: str) -> int:
+        active = [s.value for s in JobState if not s.is_terminal]
+        with self.engine.connect() as c:
+            return int(c.execute(sa.select(sa.func.count()).select_from(jobs).where(
+                jobs.c.tenant == tenant, jobs.c.state.in_(active))).scalar_one())
+
+    def count_by_state(self) -> dict[str, int]:
+        with self.engine.connect() as c:
+            rows = c.execute(sa.select(jobs.c.state, sa.func.count()).group_by(jobs.c.state)).all()
+        return {s: int(n) for s, n in rows}
+
+    # ---------------------------------------------------------------- packages
+
+    def add_package(self, sha: str, tenant: str, size: int) -> None:
+        with self.engine.begin() as c:
+            if c.execute(sa.select(packages.c.sha256).where(packages.c.sha256 == sha,
+                                                           packages.c.tenant == tenant)).first() is None:
+                c.execute(packages.insert().values(sha256=sha, tenant=tenant, size=size, created_at=time.time()))
+
+    def has_package(self, sha: str, tenant: str) -> bool:
+        with self.engine.connect() as c:
+            return c.execute(sa.select(packages.c.sha256).where(packages.c.sha256 == sha,
+                                                                packages.c.tenant == tenant)).first() is not None
+
+    # ---------------------------------------------------------------- progress
+
+    def add_events(self, job_id: str, rows: list[dict]) -> None:
+        if not rows:
+            return
+        values = [{"job_id": job_id, "time": r.get("time", time.time()), "type": r["type"], "message": r["message"],
+                   "data": {k: v for k, v in r.items() if k not in ("time", "type", "message")} or None}
+                  for r in rows]
+        with self.engine.begin() as c:
+            c.execute(events.insert(), values)
+
+    def add_metrics(self, job_id: str, rows: list[dict]) -> None:
+        """Record committed steps (a step already recorded is left as it is) and the
+        job's progress fields from the newest one."""
+        if not rows:
+            return
+        with self.engine.begin() as c:
+            have = set(c.execute(sa.select(metrics.c.step).where(
+                metrics.c.job_id == job_id, metrics.c.step.in_([r["step"] for r in rows]))).scalars())
+            new = [{"job_id": job_id, "step": r["step"], "data": r} for r in rows if r["step"] not in have]
+            if new:
+                c.execute(metrics.insert(), new)
+            last = max(rows, key=lambda r: r["step"])
+            c.execute(jobs.update().where(jobs.c.id == job_id).values(
+                step=sa.func.max(jobs.c.step, last["step"]) if self.url.startswith("sqlite")
+                else sa.func.greatest(jobs.c.step, last["step"]),
+                loss=last["loss"], samples_per_s=last["samples_per_s"]))
+
+    def get_events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[dict]:
+        q = sa.select(events).where(events.c.job_id == job_id, events.c.id > after).order_by(events.c.id).limit(limit)
+        with self.engine.connect() as c:
+            return [{"id": r.id, "time": r.time, "type": r.type, "message": r.message, **(r.data or {})}
+                    for r in c.execute(q)]
+
+    def get_metrics(self, job_id: str, after_step: int = 0, limit: int = 10000) -> list[dict]:
+        q = (sa.select(metrics.c.data).where(metrics.c.job_id == job_id, metrics.c.step > after_step)
+             .order_by(metrics.c.step).limit(limit))
+        with self.engine.connect() as c:
+            return [json.loads(d) if isinstance(d, str) else d for d in c.execute(q).scalars()]
