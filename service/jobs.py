@@ -49,6 +49,23 @@ class TooMany(JobError):
     status = 429
 
 
+def start_local_ray(cpus: Optional[int]) -> None:
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    cmd = [ray_bin, "start", "--head", "--disable-usage-stats", "--include-dashboard=true",
+           "--dashboard-host=127.0.0.1"]
+    if cpus:
+        cmd.append(f"--num-cpus={cpus}")
+    log.info("starting a local Ray: %s", " ".join(cmd))
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"could not start a local Ray ({' '.join(cmd)}): {p.stderr.strip()[-500:]}")
+
+
 def scheduler_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:scheduler"
 
@@ -69,8 +86,16 @@ class JobManager:
         kwargs = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
         if self.settings.ray_address:
             ray.init(address=self.settings.ray_address, **kwargs)
-        else:
-            ray.init(num_cpus=self.settings.local_cpus, include_dashboard=False, **kwargs)
+            return
+        # The embedded default: a local Ray started as its own process (`ray start --head`),
+        # so jobs keep training while this server restarts; stop it with `ray stop`.
+        try:
+            ray.init(address="auto", **kwargs)
+            return
+        except ConnectionError:
+            pass
+        start_local_ray(self.settings.local_cpus)
+        ray.init(address="auto", **kwargs)
 
     def ray_ok(self) -> bool:
         import ray

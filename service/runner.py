@@ -66,7 +66,7 @@ def _connect(ray_address: Optional[str]) -> bool:
     if ray_address:
         ray.init(address=ray_address, **kwargs)
         return True
-    ray.init(include_dashboard=False, **kwargs)
+    ray.init(address="local", include_dashboard=False, **kwargs)  # never a cluster of `ray start`
     return True
 
 

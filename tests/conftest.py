@@ -14,6 +14,7 @@ def ray_session():
     import ray
 
     # 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 shapes fit
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", namespace="relaytrain-tests")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
+             namespace="relaytrain-tests")
     yield ray
     ray.shutdown()

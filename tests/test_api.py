@@ -1,0 +1,285 @@
+"""The control plane for real: a uvicorn server process on a loopback port, on the
+session's Ray cluster, driven over HTTP and through the CLI."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import zipfile
+
+import httpx
+import pytest
+import torch
+
+from service.spec import load_spec, parse_spec
+from tests import reference
+from tests.conftest import FIXTURES
+
+ALICE = "alice-token-0123456789"
+BOB = "bob-token-0123456789abcd"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, home, address, **env):
+        self.home, self.address, self.port = str(home), address, free_port()
+        self.env = {**os.environ, "RELAYTRAIN_HOME": self.home, "RAY_USAGE_STATS_ENABLED": "0",
+                    "RELAYTRAIN_API_TOKENS": f"alice:{ALICE},bob:{BOB}", "RELAYTRAIN_RECONCILE_SECONDS": "1",
+                    **env}
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc = None
+
+    def start(self):
+        self.log = open(os.path.join(self.home, f"server-{time.time():.0f}.log"), "w")
+        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
+                                     "--ray-address", self.address], env=self.env, stdout=self.log,
+                                    stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            assert self.proc.poll() is None, open(self.log.name).read()
+            time.sleep(0.3)
+        raise TimeoutError(open(self.log.name).read())
+
+    def kill(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self):
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def client(self, token=ALICE):
+        return httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {token}"} if token else {},
+                            timeout=60)
+
+
+@pytest.fixture(scope="module")
+def server(ray_session, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("home"), ray_session.get_runtime_context().gcs_address,
+               RELAYTRAIN_MAX_ACTIVE_JOBS_PER_TENANT="3").start()
+    yield s
+    s.stop()
+
+
+def small_spec(name="api-job", steps=6, **over):
+    d = {"name": name, "model": {"kind": "mlp", "args": {"hidden": 32, "layers": 2}}, "data": {"kind": "digits"},
+         "optimizer": {"name": "adam", "lr": 0.003},
+         "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps, "seed": 4},
+         "parallelism": {"dp": 1, "pp": 2}}
+    d.update(over)
+    return d
+
+
+def wait_state(client, job_id, states, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        job = client.get(f"/v1/jobs/{job_id}").json()
+        if job["state"] in states:
+            return job
+        time.sleep(0.3)
+    raise TimeoutError(f"job {job_id} still {job['state']}")
+
+
+def cli(server, *args, token=ALICE):
+    env = {**os.environ, "RELAYTRAIN_TOKEN": token, "RELAYTRAIN_SERVER": server.url}
+    return subprocess.run([sys.executable, "-m", "service.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=240)
+
+
+def test_submit_with_user_code_follow_and_download_model(server):
+    path = os.path.join(FIXTURES, "user_job.yaml")
+    p = cli(server, "submit", path, "--wait", "--json")
+    assert p.returncode == 0, p.stderr
+    job = json.loads(p.stdout.strip().splitlines()[-1])
+    assert job["state"] == "SUCCEEDED" and job["step"] == job["steps"] == 5
+    assert job["spec"]["runtime_env"]["working_dir"].startswith("gcs://_ray_pkg_")
+    with server.client() as c:
+        r = c.get(f"/v1/jobs/{job['id']}/model")
+        assert r.status_code == 200
+        got = torch.load(io.BytesIO(r.content))
+        want, losses = reference.train(load_spec(path), search=[FIXTURES])
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+        rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()
+        assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+        assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+        kinds = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
+        assert kinds[0] == "submitted" and "started" in kinds and kinds[-1] == "finished"
+        assert "finished" in c.get(f"/v1/jobs/{job['id']}/logs").text
+
+
+def test_cancel_running_job_stops_its_workers(server, ray_session):
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=small_spec("to-cancel", steps=100000)).json()
+        wait_state(c, job["id"], {"RUNNING"})
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        r = c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert r.status_code == 200
+        done = wait_state(c, job["id"], {"CANCELLED"}, timeout=30)
+        assert 2 <= done["step"] < 100000 and done["ended_at"]
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").status_code == 409
+    deadline = time.monotonic() + 20
+    names = lambda: [a["name"] for a in ray_session.util.list_named_actors(all_namespaces=True)
+                     if job["id"] in a["name"]]
+    while names() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert names() == []
+
+
+def test_server_restart_mid_job(ray_session, tmp_path):
+    s = Server(tmp_path, ray_session.get_runtime_context().gcs_address).start()
+    try:
+        with s.client() as c:
+            job = c.post("/v1/jobs", json=small_spec("survivor", steps=150)).json()
+            deadline = time.monotonic() + 60
+            while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 3 and time.monotonic() < deadline:
+                time.sleep(0.2)
+        s.kill()
+        time.sleep(3)  # the job trains on with no API server
+        s.start()
+        with s.client() as c:
+            live = c.get(f"/v1/jobs/{job['id']}").json()
+            assert live["state"] in ("RUNNING", "SUCCEEDED") and live["step"] > 3
+            done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
+            assert done["state"] == "SUCCEEDED", done["error"]
+            steps = [r["step"] for r in c.get(f"/v1/jobs/{job['id']}/metrics").json()]
+            assert steps == list(range(1, 151))
+            got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
+        want, _ = reference.train(parse_spec(small_spec("survivor", steps=150)))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+    finally:
+        s.stop()
+
+
+def test_job_whose_actor_is_gone_is_marked_failed(server, ray_session):
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=small_spec("orphan", steps=100000)).json()
+        wait_state(c, job["id"], {"RUNNING"})
+        ray_session.kill(ray_session.get_actor(f"relaytrain:{job['id']}:scheduler", namespace="relaytrain"))
+        failed = wait_state(c, job["id"], {"FAILED"}, timeout=30)
+        assert "scheduler actor is gone" in failed["error"]
+
+
+def test_tenants_are_isolated(server):
+    with server.client(ALICE) as a, server.client(BOB) as b:
+        job = a.post("/v1/jobs", json=small_spec("alices", steps=2)).json()
+        assert b.get(f"/v1/jobs/{job['id']}").status_code == 404
+        assert b.post(f"/v1/jobs/{job['id']}/cancel").status_code == 404
+        assert b.get(f"/v1/jobs/{job['id']}/events").status_code == 404
+        assert job["id"] not in [j["id"] for j in b.get("/v1/jobs").json()["items"]]
+        assert job["id"] in [j["id"] for j in a.get("/v1/jobs").json()["items"]]
+        wait_state(a, job["id"], {"SUCCEEDED"})
+
+
+def test_idempotent_retry_returns_the_same_job(server):
+    with server.client(BOB) as c:
+        before = c.get("/v1/jobs").json()["total"]
+        first = c.post("/v1/jobs", json=small_spec("once", steps=2), headers={"Idempotency-Key": "k-123"})
+        again = c.post("/v1/jobs", json=small_spec("once", steps=2), headers={"Idempotency-Key": "k-123"})
+        assert first.status_code == 201 and again.status_code == 200
+        assert again.json()["id"] == first.json()["id"]
+        assert c.get("/v1/jobs").json()["total"] == before + 1
+        wait_state(c, first.json()["id"], {"SUCCEEDED"})
+
+
+def test_list_filters_and_paginates(server):
+    with server.client() as c:
+        page = c.get("/v1/jobs", params={"state": "SUCCEEDED", "limit": 1}).json()
+        assert page["limit"] == 1 and len(page["items"]) <= 1
+        assert all(j["state"] == "SUCCEEDED" for j in page["items"])
+        allj = c.get("/v1/jobs").json()["items"]
+        assert [j["created_at"] for j in allj] == sorted([j["created_at"] for j in allj], reverse=True)
+
+
+def test_bad_input_gets_clear_errors_and_stores_nothing(server):
+    with server.client() as c:
+        total = c.get("/v1/jobs").json()["total"]
+        r = c.post("/v1/jobs", content=b"{not json", headers={"Content-Type": "application/json"})
+        assert r.status_code == 422 and r.json()["detail"][0]["type"] == "json_invalid"
+        r = c.post("/v1/jobs", json=small_spec(training={"global_batch_size": 30, "microbatch_size": 8, "steps": 1}))
+        assert r.status_code == 422
+        assert "global_batch_size (30) must be a multiple of" in r.json()["detail"][0]["msg"]
+        r = c.post("/v1/jobs", json=small_spec(parallelism={"pp": 9}))
+        assert r.status_code == 422 and "parallelism.pp is 9 but the model has only 3 layers" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=small_spec(parallelism={"dp": 4, "pp": 3}))
+        assert r.status_code == 422 and "needs 12 CPU slots" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=small_spec(model={"builder": "userpkg.models:build"}))
+        assert r.status_code == 422 and "POST /v1/packages" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=small_spec(runtime_env={"working_dir": "gcs://_ray_pkg_" + "0" * 64 + ".zip"}))
+        assert r.status_code == 422 and "not a package you uploaded" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=small_spec(optimizer={"name": "lamb"}))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "optimizer", "name"]
+        r = c.post("/v1/jobs", content=b"x" * (2 << 20), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413
+        r = c.post("/v1/packages", content=b"not a zip", headers={"Content-Type": "application/zip"})
+        assert r.status_code == 422 and "not a zip file" in r.json()["detail"]
+        buf = io.BytesIO()
+        with zipfile.ZipFile(buf, "w") as z:
+            z.writestr("../evil.py", "x = 1")
+        r = c.post("/v1/packages", content=buf.getvalue(), headers={"Content-Type": "application/zip"})
+        assert r.status_code == 422 and "unsafe path" in r.json()["detail"]
+        assert c.get("/v1/jobs/no-such-job").status_code == 404
+        assert c.post("/v1/jobs/no-such-job/cancel").status_code == 404
+        assert c.get("/v1/jobs").json()["total"] == total
+    with server.client(token=None) as anon:
+        r = anon.get("/v1/jobs")
+        assert r.status_code == 401 and "Bearer" in r.json()["detail"]
+        assert anon.get("/healthz").status_code == 200
+    with server.client(token="wrong-token-0123456789") as bad:
+        assert bad.get("/v1/jobs").status_code == 401
+
+
+def test_active_job_limit_per_tenant(server):
+    with server.client(BOB) as c:
+        ids = []
+        for i in range(3):
+            r = c.post("/v1/jobs", json=small_spec(f"busy{i}", steps=100000))
+            assert r.status_code == 201, r.text
+            ids.append(r.json()["id"])
+        r = c.post("/v1/jobs", json=small_spec("one-too-many", steps=1))
+        assert r.status_code == 429 and "already has 3 active jobs" in r.json()["detail"]
+        for job_id in ids:
+            c.post(f"/v1/jobs/{job_id}/cancel")
+        for job_id in ids:
+            assert wait_state(c, job_id, {"CANCELLED"}, timeout=60)["state"] == "CANCELLED"
+
+
+def test_model_before_success_is_409_and_metrics_endpoint(server):
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=small_spec("early", steps=100000)).json()
+        r = c.get(f"/v1/jobs/{job['id']}/model")
+        assert r.status_code == 409 and "once it is SUCCEEDED" in r.json()["detail"]
+        c.post(f"/v1/jobs/{job['id']}/cancel")
+        text = httpx.get(server.url + "/metrics").text
+        assert 'relaytrain_jobs{state="CANCELLED"}' in text and "relaytrain_http_requests_total" in text
+
+
+def test_serve_refuses_public_bind_without_tokens(tmp_path):
+    env = {**os.environ, "RELAYTRAIN_HOME": str(tmp_path)}
+    env.pop("RELAYTRAIN_API_TOKENS", None)
+    p = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "0.0.0.0"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert "refusing to listen on 0.0.0.0 without API tokens" in p.stderr
