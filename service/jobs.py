@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Optional
 
 from service import packages
-from service.loading import preflight
+from service.loading import check_structure
 from service.settings import Settings
 from service.spec import JobSpec, SpecError
 from service.states import JobState
@@ -124,8 +124,8 @@ class JobManager:
                           "runtime_env.working_dir: upload the code with POST /v1/packages and set "
                           "runtime_env.working_dir to the uri it returns (relaytrain submit does both)")
         if not spec.uses_imports:
-            try:  # built-ins only: safe to try here, so a spec that cannot work is refused now
-                preflight(spec)
+            try:  # built-ins only (no user code runs here), on the meta device (no memory)
+                check_structure(spec)
             except SpecError as e:
                 raise Invalid(str(e)) from None
         self._check_fits(spec)

@@ -171,12 +171,18 @@ def load_job(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
     return Loaded(spec, build_model(spec, search), build_data(spec, search), build_loss(spec, search))
 
 
-def preflight(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
-    """Check that the spec can work before any actor starts: imports, builder return
-    types, layer count against pp, optimizer arguments, and one microbatch through the
-    model and the loss."""
-    job = load_job(spec, search)
-    layers, pp = len(job.model), spec.parallelism.pp
+def check_structure(spec: JobSpec, search: Sequence[str] = ()) -> nn.Sequential:
+    """The checks that need no data and no memory: the model is built on the meta device
+    (no parameter storage), its layer count checked against pp and the partition, and the
+    optimizer's arguments tried on a stand-in parameter."""
+    with torch.device("meta"):
+        model = build_model(spec, search)
+    _check_model(spec, model)
+    return model
+
+
+def _check_model(spec: JobSpec, model: nn.Sequential) -> None:
+    layers, pp = len(model), spec.parallelism.pp
     if pp > layers:
         raise SpecError(f"parallelism.pp is {pp} but the model has only {layers} layers (entries of its "
                         f"nn.Sequential); use pp <= {layers} or split the model into more layers")
@@ -184,7 +190,15 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
     if isinstance(part, list) and sum(part) != layers:
         raise SpecError(f"parallelism.partition {part} covers {sum(part)} layers but the model has {layers}; "
                         "the counts must add up to the number of layers")
-    build_optimizer(spec, job.model.parameters())
+    build_optimizer(spec, [nn.Parameter(torch.zeros(1))])
+
+
+def preflight(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
+    """Check that the spec can work before any actor starts: imports, builder return
+    types, layer count against pp, optimizer arguments, and one microbatch through the
+    model and the loss."""
+    job = load_job(spec, search)
+    _check_model(spec, job.model)
     from service.sampling import step_indices
 
     idx = step_indices(0, len(job.samples), spec.training.global_batch_size, spec.training.seed,
