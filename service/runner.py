@@ -110,10 +110,12 @@ class _Outputs:
 
 def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional[JobSpec] = None,
             spec_dir: Optional[str] = None, ray_address: Optional[str] = None, resume: Optional[str] = None,
-            progress: bool = True, timeout: float = 300.0) -> dict:
+            progress: bool = True, timeout: float = 300.0, record: bool = True) -> dict:
     """Train ``spec`` to completion; returns the scheduler's final report.  Raises
     :class:`SpecError` before anything starts for a spec that cannot work, and
-    :class:`JobFailed` when the job fails while running."""
+    :class:`JobFailed` when the job fails while running.  With ``record`` the job and its
+    progress also go to the job store (SQLite under RELAYTRAIN_HOME by default), where
+    ``relaytrain serve`` shows them."""
     if spec is None:
         spec = load_spec(spec_path)
         spec_dir = spec_dir or str(Path(spec_path).resolve().parent)
@@ -133,14 +135,16 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
     started_ray = _connect(ray_address)
     outputs = _Outputs(Path(out))
-    job_id = f"{spec.name}-{uuid.uuid4().hex[:6]}"
+    job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
+    store = _record_in_store(job_id, spec) if record else None
     sched = None
     try:
         check_fits(spec)
         sched = ray.remote(JobScheduler).options(
             name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
             runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
-        ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout)
+        ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout,
+                 store_url=store.url if store else None)
         done_ref = sched.run.remote()
         final = _follow(sched, done_ref, outputs, spec, progress)
         if final["state"] != JobState.SUCCEEDED.value:
@@ -148,6 +152,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             raise JobFailed(final["error"] or f"job ended {final['state']}", detail, final)
         state = ray.get(sched.model_state.remote())
         _save_model(state, Path(out) / "model.pt")
+        if store:
+            store.update_job(job_id, model_path=str((Path(out) / "model.pt").resolve()))
         outputs.event("saved", f"model saved to {Path(out) / 'model.pt'}")
         return final
     except BaseException as e:
@@ -160,6 +166,22 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             _stop(sched, job_id)
         if started_ray:
             ray.shutdown()
+
+
+def _record_in_store(job_id: str, spec: JobSpec):
+    """The job's row in the embedded job store, as tenant 'local'; a store that cannot be
+    opened costs a warning, not the run."""
+    from service.auth import LOCAL_TENANT
+    from service.settings import Settings
+    from service.store import Store
+
+    try:
+        store = Store(Settings().db_url)
+        store.create_job(job_id, LOCAL_TENANT, spec.model_dump(mode="json"))
+        return store
+    except Exception as e:
+        print(f"relaytrain: warning: not recording the job in the job store: {e}", file=sys.stderr)
+        return None
 
 
 def _stop(sched, job_id: str, grace: float = 10.0) -> None:

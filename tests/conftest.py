@@ -5,7 +5,11 @@ import os
 
 import pytest
 
+import tempfile
+
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# the embedded job store of `relaytrain run` and the server's data: a folder of this session
+os.environ["RELAYTRAIN_HOME"] = tempfile.mkdtemp(prefix="relaytrain-home-")
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 

@@ -132,3 +132,20 @@ def test_cli_run_bad_spec_says_one_sentence(tmp_path):
     assert p.stderr.strip().splitlines() == [
         "relaytrain: invalid job spec: training: training.global_batch_size (30) must be a multiple of "
         "training.microbatch_size (8)"]
+
+
+def test_run_is_recorded_in_the_embedded_store(ray_session, tmp_path):
+    from service.settings import Settings
+    from service.store import Store
+
+    spec = parse_spec({"name": "recorded", "model": {"kind": "mlp", "args": {"hidden": 16, "layers": 2}},
+                       "data": {"kind": "digits"},
+                       "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 3},
+                       "parallelism": {"pp": 2}})
+    run_job(spec=spec, out=str(tmp_path), progress=False)
+    store = Store(Settings().db_url)
+    rows, _ = store.list_jobs("local")
+    job = next(r for r in rows if r["name"] == "recorded")
+    assert job["state"] == "SUCCEEDED" and job["step"] == 3
+    assert job["model_path"] == str((tmp_path / "model.pt").resolve())
+    assert [m["step"] for m in store.get_metrics(job["id"])] == [1, 2, 3]

@@ -1,0 +1,124 @@
+"""The job store, on SQLite and on a real PostgreSQL (a throwaway server started here)."""
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+
+import pytest
+
+from service.states import JobState
+from service.store import Store
+
+SPEC = {"name": "s", "training": {"steps": 10}}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def postgres_url():
+    """A PostgreSQL server in a temporary folder, run as the 'postgres' user."""
+    pg_bin = "/usr/lib/postgresql/15/bin"
+    if not os.path.exists(f"{pg_bin}/initdb") or shutil.which("runuser") is None or os.geteuid() != 0:
+        pytest.skip("PostgreSQL tests need the postgresql-15 package and root (to run it as 'postgres'); "
+                    "install it with apt-get install postgresql")
+    data = tempfile.mkdtemp(prefix="relaytrain-pg-")
+    shutil.chown(data, "postgres")
+    port = _free_port()
+    as_pg = ["runuser", "-u", "postgres", "--"]
+    subprocess.run(as_pg + [f"{pg_bin}/initdb", "-D", f"{data}/db", "-A", "trust", "-U", "postgres"],
+                   check=True, capture_output=True)
+    subprocess.run(as_pg + [f"{pg_bin}/pg_ctl", "-D", f"{data}/db", "-l", f"{data}/log", "-w", "-o",
+                            f"-p {port} -k {data} -h 127.0.0.1", "start"], check=True, capture_output=True)
+    try:
+        yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
+    finally:
+        subprocess.run(as_pg + [f"{pg_bin}/pg_ctl", "-D", f"{data}/db", "-m", "immediate", "stop"],
+                       capture_output=True)
+        shutil.rmtree(data, ignore_errors=True)
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store(request, tmp_path):
+    if request.param == "sqlite":
+        return Store(f"sqlite:///{tmp_path / 'jobs.db'}")
+    s = Store(request.getfixturevalue("postgres_url"))
+    with s.engine.begin() as c:  # a clean slate per test
+        for t in ("metrics", "events", "packages", "jobs"):
+            c.exec_driver_sql(f"DELETE FROM {t}")
+    return s
+
+
+def test_jobs_round_trip_and_states(store):
+    job, created = store.create_job("j1", "alice", SPEC)
+    assert created and job["state"] == "PENDING" and job["steps"] == 10
+    assert store.get_job("j1", "bob") is None  # another tenant's job is not found
+    assert store.set_state("j1", JobState.RUNNING)
+    assert store.get_job("j1")["started_at"]
+    assert store.set_state("j1", JobState.SUCCEEDED)
+    assert not store.set_state("j1", JobState.FAILED, error="late")  # an ended job keeps its end
+    assert store.get_job("j1")["state"] == "SUCCEEDED"
+    assert store.count_by_state() == {"SUCCEEDED": 1}
+
+
+def test_idempotency_key_is_per_tenant(store):
+    a, created_a = store.create_job("a1", "alice", SPEC, idempotency_key="k")
+    again, created_again = store.create_job("a2", "alice", SPEC, idempotency_key="k")
+    b, created_b = store.create_job("b1", "bob", SPEC, idempotency_key="k")
+    assert created_a and not created_again and again["id"] == "a1" and created_b
+    assert store.list_jobs("alice")[1] == 1
+
+
+def test_list_newest_first_filtered_and_paginated(store):
+    for i in range(5):
+        store.create_job(f"j{i}", "alice", SPEC)
+        time.sleep(0.01)
+    store.set_state("j1", JobState.RUNNING)
+    rows, total = store.list_jobs("alice", limit=2, offset=1)
+    assert total == 5 and [r["id"] for r in rows] == ["j3", "j2"]
+    rows, total = store.list_jobs("alice", states=["RUNNING"])
+    assert total == 1 and rows[0]["id"] == "j1"
+    assert store.count_active("alice") == 5
+
+
+def test_metrics_once_per_step_and_progress(store):
+    store.create_job("m", "alice", SPEC)
+    store.add_metrics("m", [{"step": 1, "loss": 2.0, "samples_per_s": 10.0}])
+    store.add_metrics("m", [{"step": 1, "loss": 9.9, "samples_per_s": 1.0},
+                            {"step": 2, "loss": 1.5, "samples_per_s": 12.0}])
+    rows = store.get_metrics("m")
+    assert [(r["step"], r["loss"]) for r in rows] == [(1, 2.0), (2, 1.5)]  # step 1 recorded once
+    job = store.get_job("m")
+    assert job["step"] == 2 and job["loss"] == 1.5
+    assert store.get_metrics("m", after_step=1)[0]["step"] == 2
+
+
+def test_events_in_order_with_data(store):
+    store.create_job("e", "alice", SPEC)
+    store.add_events("e", [{"type": "started", "message": "go"}, {"type": "shape", "message": "2x2", "dp": 2}])
+    ev = store.get_events("e")
+    assert [e["type"] for e in ev] == ["started", "shape"] and ev[1]["dp"] == 2
+    assert [e["type"] for e in store.get_events("e", after=ev[0]["id"])] == ["shape"]
+
+
+def test_schema_is_created_once_and_newer_schema_refused(store):
+    Store(store.url.replace("postgresql+psycopg", "postgresql"))  # opening again is fine
+    with store.engine.begin() as c:
+        c.exec_driver_sql("UPDATE relaytrain_meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(RuntimeError, match="newer than this relaytrain"):
+        Store(store.url.replace("postgresql+psycopg", "postgresql"))
+    with store.engine.begin() as c:
+        c.exec_driver_sql("UPDATE relaytrain_meta SET value = '1' WHERE key = 'schema_version'")
+
+
+def test_packages_belong_to_tenants(store):
+    store.add_package("ab" * 32, "alice", 10)
+    store.add_package("ab" * 32, "alice", 10)
+    assert store.has_package("ab" * 32, "alice") and not store.has_package("ab" * 32, "bob")
