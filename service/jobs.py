@@ -16,6 +16,7 @@ from typing import Optional
 
 from service import packages
 from service.loading import check_structure
+from service.runner import check_fits
 from service.settings import Settings
 from service.spec import JobSpec, SpecError
 from service.states import JobState
@@ -128,7 +129,10 @@ class JobManager:
                 check_structure(spec)
             except SpecError as e:
                 raise Invalid(str(e)) from None
-        self._check_fits(spec)
+        try:
+            check_fits(spec)
+        except SpecError as e:
+            raise Invalid(str(e)) from None
         if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
             raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
                           "the limit; wait for one to end or cancel one")
@@ -139,21 +143,6 @@ class JobManager:
             self._launch(job)
             job = self.store.get_job(job_id)
         return job, created
-
-    def _check_fits(self, spec: JobSpec) -> None:
-        import ray
-
-        res = ray.cluster_resources()
-        workers = spec.parallelism.dp * spec.parallelism.pp
-        cpus = workers * spec.resources.cpus_per_worker
-        if cpus > res.get("CPU", 0):
-            raise Invalid(f"the job needs {cpus:g} CPU slots ({workers} workers x {spec.resources.cpus_per_worker:g}) "
-                          f"but the whole cluster has {res.get('CPU', 0):g}: lower parallelism.dp x parallelism.pp "
-                          "or resources.cpus_per_worker")
-        gpus = workers * (spec.resources.gpus_per_worker or 0)
-        if gpus > res.get("GPU", 0):
-            raise Invalid(f"the job needs {gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}: "
-                          "lower resources.gpus_per_worker or dp x pp")
 
     def _launch(self, job: dict) -> None:
         import ray

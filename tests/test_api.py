@@ -283,3 +283,25 @@ def test_serve_refuses_public_bind_without_tokens(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "refusing to listen on 0.0.0.0 without API tokens" in p.stderr
+
+
+def test_cli_on_a_failing_job(server):
+    """A job whose user code raises: submit --wait exits 1 and says why; status, events,
+    logs and list show it; cancel of the ended job is refused."""
+    p = cli(server, "submit", os.path.join(FIXTURES, "failing_job.yaml"), "--wait", "--json")
+    assert p.returncode == 1
+    job = json.loads(p.stdout.strip().splitlines()[-1])
+    assert job["state"] == "FAILED"
+    assert job["error"] == "worker w0.1 at step 1 raised ValueError: boom from a user layer"
+    st = cli(server, "status", job["id"], "--json")
+    assert st.returncode == 0 and json.loads(st.stdout)["state"] == "FAILED"
+    ev = cli(server, "events", job["id"])
+    assert "failed" in ev.stdout and "boom from a user layer" in ev.stdout
+    logs = cli(server, "logs", job["id"])
+    assert "Traceback" in logs.stdout and "models.py" in logs.stdout
+    ls = cli(server, "list", "--state", "FAILED")
+    assert job["id"] in ls.stdout
+    cancel = cli(server, "cancel", job["id"])
+    assert cancel.returncode == 1 and "HTTP 409" in cancel.stderr and "already ended FAILED" in cancel.stderr
+    other = cli(server, "status", job["id"], token=BOB)
+    assert other.returncode == 1 and "HTTP 404" in other.stderr
