@@ -107,11 +107,9 @@ def _jsonable(row: dict) -> dict:
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
-                 store_url: Optional[str] = None, model_path: Optional[str] = None, detached: bool = False,
-                 preflight: bool = False):
+                 store_url: Optional[str] = None, detached: bool = False, preflight: bool = False):
         self.job_id = job_id
         self.detached = detached
-        self.model_path = model_path
         self.run_preflight = preflight
         self.sink = StoreSink(store_url, job_id) if store_url else None
         self.spec = JobSpec.model_validate(spec)
@@ -226,12 +224,11 @@ class JobScheduler:
         self._set_state(JobState.RUNNING)
         self._train(start)
         if self.state is JobState.RUNNING:
-            fields = {}
-            if self.model_path:
-                fields["model_path"] = self._save_model(self.model_path)
+            if self.sink and self.detached:
+                self._save_model()
             self._event("finished", f"job finished: {spec.training.steps} steps, last loss "
                         f"{self.metrics[-1]['loss']:.6g}" if self.metrics else "job finished")
-            self._set_state(JobState.SUCCEEDED, **fields)
+            self._set_state(JobState.SUCCEEDED)
 
     def _plan(self):
         """Stage bounds, the (shape, dtype) at each stage boundary, and the layer costs."""
@@ -368,12 +365,13 @@ class JobScheduler:
                 "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(p.dp)) for s in range(p.pp)],
                 "allreduce_s": max(s["allreduce_s"] for s in stats.values())}
 
-    def _save_model(self, path: str) -> str:
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}"
-        torch.save(self._final, tmp)
-        os.replace(tmp, path)
-        return path
+    def _save_model(self) -> None:
+        """The trained state_dict into the job store (served by GET /v1/jobs/{id}/model)."""
+        import io
+
+        buf = io.BytesIO()
+        torch.save(self._final, buf)
+        self.sink.store.put_artifact(self.job_id, "model.pt", buf.getvalue())
 
     def _collect_state(self) -> tuple[dict, dict]:
         """The whole model's state_dict and name-keyed optimizer state, from replica 0."""

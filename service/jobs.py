@@ -85,8 +85,12 @@ class JobManager:
         if ray.is_initialized():
             return
         kwargs = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
-        if self.settings.ray_address:
-            ray.init(address=self.settings.ray_address, **kwargs)
+        address = self.settings.ray_address
+        if address and address.startswith("ray://"):  # Ray Client (the Kubernetes deployment)
+            ray.init(address=address, namespace=NAMESPACE)
+            return
+        if address:
+            ray.init(address=address, **kwargs)
             return
         # The embedded default: a local Ray started as its own process (`ray start --head`),
         # so jobs keep training while this server restarts; stop it with `ray stop`.
@@ -157,12 +161,11 @@ class JobManager:
             ckpt = Path(spec.checkpoint.path)
             if not ckpt.is_absolute():
                 ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
-            model_path = str(self.settings.models_dir / job["tenant"] / f"{job['id']}.pt")
             actor = ray.remote(JobScheduler).options(
                 name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                 max_concurrency=4, runtime_env=env or None,
             ).remote(job["id"], job["spec"], [], str(ckpt) if spec.checkpoint.every_steps else None, None,
-                     300.0, 120.0, self.store.url, model_path, True, True)
+                     300.0, 120.0, self.store.url, True, True)
             ref = actor.start.remote()
         except Exception as e:
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
@@ -217,14 +220,16 @@ class JobManager:
             time.sleep(0.2)
         return self.get(tenant, job_id)
 
-    def model_path(self, tenant: str, job_id: str) -> Path:
+    def model_bytes(self, tenant: str, job_id: str) -> bytes:
         job = self.get(tenant, job_id)
-        if job["state"] != JobState.SUCCEEDED.value or not job.get("model_path"):
+        if job["state"] != JobState.SUCCEEDED.value:
             raise Conflict(f"job {job_id} is {job['state']}; its model can be downloaded once it is SUCCEEDED")
-        path = Path(job["model_path"])
-        if not path.is_file():
-            raise NotFound(f"the model file of job {job_id} is missing from {path.parent}")
-        return path
+        data = self.store.get_artifact(job_id, "model.pt")
+        if data is None and job.get("model_path") and Path(job["model_path"]).is_file():
+            data = Path(job["model_path"]).read_bytes()  # a `relaytrain run` job: its --out folder
+        if data is None:
+            raise NotFound(f"the model of job {job_id} is not in the store")
+        return data
 
     # ---------------------------------------------------------------- reconcile
 

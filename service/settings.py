@@ -22,7 +22,7 @@ class Settings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     ray_address: Optional[str] = Field(None, description="an existing Ray cluster; unset: start a local one")
     db: Optional[str] = Field(None, description="job store URL (sqlite:///..., postgresql://...); unset: SQLite under home")
-    home: Path = Field(default_factory=default_home, description="data folder: store, models, packages")
+    home: Path = Field(default_factory=default_home, description="data folder: SQLite store, packages, checkpoints")
     api_tokens: str = Field("", description="'tenant:token,tenant2:token2'")
     tokens_file: Optional[Path] = Field(None, description="file of 'tenant:token' lines")
     max_body_bytes: int = Field(1 << 20, description="largest JSON request body")
@@ -34,10 +34,6 @@ class Settings(BaseSettings):
     @property
     def db_url(self) -> str:
         return self.db or f"sqlite:///{self.home / 'relaytrain.db'}"
-
-    @property
-    def models_dir(self) -> Path:
-        return self.home / "models"
 
     @property
     def packages_dir(self) -> Path:

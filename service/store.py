@@ -66,6 +66,13 @@ packages = sa.Table(
     sa.Column("created_at", sa.Float, nullable=False),
 )
 
+artifacts = sa.Table(
+    "artifacts", metadata,
+    sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("name", sa.String(64), primary_key=True),
+    sa.Column("data", sa.LargeBinary, nullable=False),
+)
+
 meta = sa.Table(
     "relaytrain_meta", metadata,
     sa.Column("key", sa.String(64), primary_key=True),
@@ -200,6 +207,20 @@ class Store:
         with self.engine.connect() as c:
             rows = c.execute(sa.select(jobs.c.state, sa.func.count()).group_by(jobs.c.state)).all()
         return {s: int(n) for s, n in rows}
+
+    # ---------------------------------------------------------------- artifacts
+
+    def put_artifact(self, job_id: str, name: str, data: bytes) -> None:
+        """A job's output file (the trained model), kept in the store so every API replica,
+        wherever it runs, can serve it."""
+        with self.engine.begin() as c:
+            c.execute(artifacts.delete().where(artifacts.c.job_id == job_id, artifacts.c.name == name))
+            c.execute(artifacts.insert().values(job_id=job_id, name=name, data=data))
+
+    def get_artifact(self, job_id: str, name: str) -> Optional[bytes]:
+        with self.engine.connect() as c:
+            return c.execute(sa.select(artifacts.c.data).where(artifacts.c.job_id == job_id,
+                                                               artifacts.c.name == name)).scalar()
 
     # ---------------------------------------------------------------- packages
 

@@ -122,3 +122,11 @@ def test_packages_belong_to_tenants(store):
     store.add_package("ab" * 32, "alice", 10)
     store.add_package("ab" * 32, "alice", 10)
     assert store.has_package("ab" * 32, "alice") and not store.has_package("ab" * 32, "bob")
+
+
+def test_artifacts_are_kept_and_replaced(store):
+    store.create_job("a", "alice", SPEC)
+    assert store.get_artifact("a", "model.pt") is None
+    store.put_artifact("a", "model.pt", b"\x00first")
+    store.put_artifact("a", "model.pt", b"\x00second" * 1000)
+    assert store.get_artifact("a", "model.pt") == b"\x00second" * 1000

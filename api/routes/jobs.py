@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Annotated, Optional
 
 from fastapi import APIRouter, Header, Query, Response
-from fastapi.responses import FileResponse, PlainTextResponse
+from fastapi.responses import PlainTextResponse
 
 from api.deps import ManagerDep, TenantDep
 from api.schemas import ErrorOut, EventOut, JobOut, JobPage
@@ -66,13 +66,13 @@ def job_metrics(job_id: str, manager: ManagerDep, tenant: TenantDep,
     return manager.store.get_metrics(job_id, after_step, limit)
 
 
-@router.get("/{job_id}/model", response_class=FileResponse,
+@router.get("/{job_id}/model", response_class=Response,
             responses={**ERRORS, 409: {"model": ErrorOut},
                        200: {"content": {"application/octet-stream": {}}, "description": "torch.save'd state_dict"}})
 def job_model(job_id: str, manager: ManagerDep, tenant: TenantDep):
     """The trained model's state_dict (torch.load it), once the job SUCCEEDED."""
-    path = manager.model_path(tenant, job_id)
-    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.pt")
+    return Response(manager.model_bytes(tenant, job_id), media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{job_id}.pt"'})
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS)
