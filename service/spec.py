@@ -16,6 +16,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 OPTIMIZERS = ("sgd", "adam", "adamw")
 LOSSES = ("cross_entropy", "mse")
+# The elastic range's documented defaults (worker slots a job may shrink to and grow to); the
+# Kubernetes worker groups in k8s/raycluster.yaml scale between the same bounds.
+ELASTIC_MIN_WORKERS = 1
+ELASTIC_MAX_WORKERS = 16
 MODEL_KINDS = ("mlp", "cnn", "regression_mlp", "char_transformer")
 DATA_KINDS = ("digits", "digits_images", "regression", "chars")
 

@@ -1,0 +1,149 @@
+"""k8s/ validated offline: every object of the base and each overlay against the KubeRay
+v1.7 CRDs or Kubernetes' own schemas (strict); versions and ranges agree with the project;
+and the validator itself catches broken manifests."""
+from __future__ import annotations
+
+import copy
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from service.spec import ELASTIC_MAX_WORKERS, ELASTIC_MIN_WORKERS
+from tests.k8s_tools import ROOT, render, validate
+
+K8S = ROOT / "k8s"
+FOLDERS = [K8S, *sorted(p for p in (K8S / "overlays").iterdir() if p.is_dir())]
+
+
+def pinned_ray() -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(re.match(r"ray\[[^\]]*\]==(.+)", d).group(1) for d in deps if d.startswith("ray["))
+
+
+def objects(folder=K8S) -> list[dict]:
+    return render(folder)
+
+
+def the(objs, kind, name=None):
+    found = [o for o in objs if o["kind"] == kind and (name is None or o["metadata"]["name"] == name)]
+    assert len(found) == 1, f"expected one {kind} {name or ''}, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_object_validates(folder):
+    objs = objects(folder)
+    assert objs
+    problems = [line for o in objs for line in validate(o)]
+    assert problems == []
+    assert all(o["metadata"].get("namespace") == "relaytrain" for o in objs if o["kind"] != "Namespace")
+
+
+def test_ray_versions_match_the_pin():
+    ray = pinned_ray()
+    cluster = the(objects(), "RayCluster")
+    assert cluster["spec"]["rayVersion"] == ray
+    images = [c["image"] for o in objects() for c in _containers(o)]
+    assert images and all(f"ray{ray}" in img for img in images if "relaytrain" in img)
+    dockerfile = (K8S / "Dockerfile").read_text()
+    assert re.search(rf"^ARG RAY_IMAGE=rayproject/ray:{re.escape(ray)}-", dockerfile, re.M)
+    assert f"rayproject/ray:{ray}-py311-gpu" in dockerfile
+
+
+def _containers(obj):
+    spec = obj.get("spec", {})
+    templates = []
+    if obj["kind"] == "RayCluster":
+        templates = [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]
+    elif "template" in spec:
+        templates = [spec["template"]]
+    return [c for t in templates for c in t["spec"]["containers"]]
+
+
+def test_autoscaling_range_matches_the_elastic_defaults():
+    spec = the(objects(), "RayCluster")["spec"]
+    assert spec["enableInTreeAutoscaling"] is True
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert set(groups) == {"cpu", "gpu"}
+    assert groups["cpu"]["minReplicas"] == ELASTIC_MIN_WORKERS
+    assert groups["cpu"]["maxReplicas"] == groups["gpu"]["maxReplicas"] == ELASTIC_MAX_WORKERS
+    assert groups["gpu"]["rayStartParams"]["num-gpus"] == "1"
+    assert spec["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
+
+
+def test_worker_pods_drain_before_they_die():
+    for group in the(objects(), "RayCluster")["spec"]["workerGroupSpecs"]:
+        pod = group["template"]["spec"]
+        cmd = pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+        assert cmd[:2] == ["ray", "drain-node"]
+        deadline = int(cmd[cmd.index("--deadline-remaining-seconds") + 1])
+        assert pod["terminationGracePeriodSeconds"] > deadline
+
+
+def test_control_plane_references_exist():
+    objs = objects()
+    api = the(objs, "Deployment", "relaytrain-api")
+    container = api["spec"]["template"]["spec"]["containers"][0]
+    for ref in container["envFrom"]:
+        the(objs, "ConfigMap", ref["configMapRef"]["name"])
+    for env in container["env"]:
+        key = env["valueFrom"]["secretKeyRef"]
+        assert key["key"] in the(objs, "Secret", key["name"])["stringData"]
+    settings = the(objs, "ConfigMap", "relaytrain-settings")["data"]
+    assert settings["RELAYTRAIN_RAY_ADDRESS"].startswith("ray://relaytrain-head-svc:")
+    svc = the(objs, "Service", "relaytrain-api")
+    assert svc["spec"]["selector"] == api["spec"]["selector"]["matchLabels"]
+
+
+def test_overlays_apply_their_patches():
+    pg = objects(K8S / "overlays" / "postgres")
+    assert the(pg, "Secret", "relaytrain-db")["stringData"]["url"].endswith("@relaytrain-postgres:5432/relaytrain")
+    the(pg, "StatefulSet", "relaytrain-postgres")
+    ft = the(objects(K8S / "overlays" / "gcs-ft-redis"), "RayCluster")
+    assert ft["spec"]["gcsFaultToleranceOptions"]["redisAddress"] == "relaytrain-redis:6379"
+
+
+# ---- the validator itself
+
+
+def test_validator_catches_misspelled_kuberay_field():
+    cluster = copy.deepcopy(the(objects(), "RayCluster"))
+    cluster["spec"]["workerGroupSpec"] = cluster["spec"].pop("workerGroupSpecs")
+    problems = validate(cluster)
+    assert any("workerGroupSpec" in p and "not allowed" in p for p in problems)
+
+
+def test_validator_catches_string_for_integer_in_kuberay():
+    cluster = copy.deepcopy(the(objects(), "RayCluster"))
+    cluster["spec"]["workerGroupSpecs"][0]["maxReplicas"] = "16"
+    problems = validate(cluster)
+    assert any("workerGroupSpecs.0.maxReplicas" in p and "is not of type 'integer'" in p for p in problems)
+
+
+def test_validator_catches_missing_required_kuberay_field():
+    cluster = copy.deepcopy(the(objects(), "RayCluster"))
+    del cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
+    assert any("containers" in p and "required" in p for p in validate(cluster))
+
+
+def test_validator_ignores_nulls_and_defaulted_required_fields():
+    cluster = copy.deepcopy(the(objects(), "RayCluster"))
+    cluster["spec"]["suspend"] = None
+    assert validate(cluster) == []
+
+
+def test_validator_catches_broken_core_objects():
+    api = copy.deepcopy(the(objects(), "Deployment", "relaytrain-api"))
+    api["spec"]["replica"] = api["spec"].pop("replicas")
+    assert any("replica" in p for p in validate(api))
+    svc = copy.deepcopy(the(objects(), "Service", "relaytrain-api"))
+    svc["spec"]["ports"][0]["port"] = "eight thousand"
+    assert validate(svc)
+
+
+def test_renderer_refuses_what_it_cannot_render(tmp_path):
+    (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
+    with pytest.raises(ValueError, match="configMapGenerator"):
+        render(tmp_path)
