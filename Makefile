@@ -5,7 +5,7 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.relaytrain-installed
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: example test venv bench clean
+.PHONY: example test venv bench serve clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -20,6 +20,9 @@ example: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+serve: $(STAMP)
+	$(VENV)/bin/relaytrain serve
 
 bench: $(STAMP)
 	$(PY) bench/pipeline.py
