@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
 from pathlib import Path
 
@@ -19,7 +20,8 @@ import kubernetes_validate
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-CRDS = ROOT.parent / "shared" / "kuberay" / "crds"
+# the KubeRay v1.7 CRDs: shared/ beside the checkout (as in CI), or RELAYTRAIN_KUBERAY_CRDS
+CRDS = Path(os.environ.get("RELAYTRAIN_KUBERAY_CRDS") or ROOT.parent / "shared" / "kuberay" / "crds")
 K8S_VERSION = "1.33.0"
 KUSTOMIZE_FIELDS = {"apiVersion", "kind", "namespace", "resources", "patches"}
 CLUSTER_SCOPED = {"Namespace", "ClusterRole", "ClusterRoleBinding", "CustomResourceDefinition"}
@@ -68,7 +70,8 @@ def crd_schema(kind: str) -> dict:
         if crd["spec"]["names"]["kind"] == kind:
             v1 = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")
             return _strict(copy.deepcopy(v1["schema"]["openAPIV3Schema"]))
-    raise KeyError(f"no KubeRay CRD for kind {kind} in {CRDS}")
+    raise FileNotFoundError(f"no KubeRay CRD for kind {kind} in {CRDS}: put shared/kuberay/crds beside the "
+                            "checkout or set RELAYTRAIN_KUBERAY_CRDS to the folder of ray.io_*.yaml")
 
 
 def _strict(node):
