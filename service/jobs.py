@@ -134,7 +134,7 @@ class JobManager:
             except SpecError as e:
                 raise Invalid(str(e)) from None
         try:
-            check_fits(spec)
+            check_fits(spec, self.settings.cluster_max_cpus, self.settings.cluster_max_gpus)
         except SpecError as e:
             raise Invalid(str(e)) from None
         if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
@@ -165,7 +165,7 @@ class JobManager:
                 name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                 max_concurrency=4, runtime_env=env or None,
             ).remote(job["id"], job["spec"], [], str(ckpt) if spec.checkpoint.every_steps else None, None,
-                     300.0, 120.0, self.store.url, True, True)
+                     300.0, self.settings.start_timeout_s, self.store.url, True, True)
             ref = actor.start.remote()
         except Exception as e:
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")

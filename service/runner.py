@@ -70,11 +70,16 @@ def _connect(ray_address: Optional[str]) -> bool:
     return True
 
 
-def check_fits(spec: JobSpec) -> None:
-    """Refuse a job that this cluster can never hold."""
+def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:
+    """Refuse a job that this cluster can never hold: against its resources now, or against
+    the ceiling an autoscaler can grow it to (``max_cpus``/``max_gpus``) when given."""
     import ray
 
-    res = ray.cluster_resources()
+    res = dict(ray.cluster_resources())
+    if max_cpus is not None:
+        res["CPU"] = max(res.get("CPU", 0), max_cpus)
+    if max_gpus is not None:
+        res["GPU"] = max(res.get("GPU", 0), max_gpus)
     workers = spec.parallelism.dp * spec.parallelism.pp
     need_cpu = workers * spec.resources.cpus_per_worker
     if need_cpu > res.get("CPU", 0):

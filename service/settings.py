@@ -29,6 +29,10 @@ class Settings(BaseSettings):
     max_package_bytes: int = Field(100 << 20, description="largest uploaded code package")
     max_active_jobs_per_tenant: int = Field(8, ge=1, description="PENDING, RUNNING or RESHAPING jobs per tenant")
     reconcile_seconds: float = Field(10.0, gt=0, description="how often jobs are checked against their actors")
+    cluster_max_cpus: Optional[float] = Field(
+        None, description="CPUs an autoscaler can grow the cluster to; jobs are checked against this, not only now")
+    cluster_max_gpus: Optional[float] = Field(None, description="GPUs an autoscaler can grow the cluster to")
+    start_timeout_s: float = Field(120.0, gt=0, description="how long a job may wait for its workers to be placed")
     local_cpus: Optional[int] = Field(None, description="CPU slots of the local Ray this server starts")
 
     @property

@@ -149,3 +149,16 @@ def test_run_is_recorded_in_the_embedded_store(ray_session, tmp_path):
     assert job["state"] == "SUCCEEDED" and job["step"] == 3
     assert job["model_path"] == str((tmp_path / "model.pt").resolve())
     assert [m["step"] for m in store.get_metrics(job["id"])] == [1, 2, 3]
+
+
+def test_fit_check_uses_the_autoscaling_ceiling(ray_session):
+    from service.runner import check_fits
+
+    spec = parse_spec({"name": "big", "model": {"kind": "mlp"}, "data": {"kind": "digits"},
+                       "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": 1},
+                       "parallelism": {"dp": 2, "pp": 6}})
+    with pytest.raises(SpecError, match="needs 12 CPU slots .* but the cluster has 8"):
+        check_fits(spec)
+    check_fits(spec, max_cpus=16)  # an autoscaler can grow the cluster to 16: accepted
+    with pytest.raises(SpecError, match="needs 12 CPU slots .* but the cluster has 10"):
+        check_fits(spec, max_cpus=10)

@@ -147,3 +147,14 @@ def test_renderer_refuses_what_it_cannot_render(tmp_path):
     (tmp_path / "kustomization.yaml").write_text("resources: []\nconfigMapGenerator: []\n")
     with pytest.raises(ValueError, match="configMapGenerator"):
         render(tmp_path)
+
+
+def test_job_size_ceiling_matches_the_autoscaling_groups():
+    objs = objects()
+    groups = the(objs, "RayCluster")["spec"]["workerGroupSpecs"]
+    settings = the(objs, "ConfigMap", "relaytrain-settings")["data"]
+    cpus = sum(g["maxReplicas"] * int(g["rayStartParams"]["num-cpus"]) for g in groups)
+    gpus = sum(g["maxReplicas"] * int(g["rayStartParams"].get("num-gpus", "0")) for g in groups)
+    assert float(settings["RELAYTRAIN_CLUSTER_MAX_CPUS"]) == cpus
+    assert float(settings["RELAYTRAIN_CLUSTER_MAX_GPUS"]) == gpus
+    assert float(settings["RELAYTRAIN_START_TIMEOUT_S"]) >= 300  # room for new pods to start
