@@ -67,6 +67,19 @@ def start_local_ray(cpus: Optional[int]) -> None:
         raise RuntimeError(f"could not start a local Ray ({' '.join(cmd)}): {p.stderr.strip()[-500:]}")
 
 
+def release_placement_group(job_id: str) -> None:
+    """Free the worker slots of a job whose scheduler died without cleaning up (its placement
+    group is detached, so nothing else would)."""
+    import ray
+
+    from actors.scheduler import placement_group_name
+
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
+    except Exception:
+        pass  # none was made, or it is gone already
+
+
 def scheduler_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:scheduler"
 
@@ -209,6 +222,7 @@ class JobManager:
             except Exception:
                 actor = None
         if actor is None:
+            release_placement_group(job_id)
             if self.store.set_state(job_id, JobState.CANCELLED):
                 self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled before it ran"}])
             return self.get(tenant, job_id)
@@ -250,6 +264,7 @@ class JobManager:
                 if fresh and not JobState(fresh["state"]).is_terminal:
                     self._fail(job["id"], "the job's scheduler actor is gone (the Ray cluster restarted or lost "
                                           "its node); the job can not go on")
+                    release_placement_group(job["id"])
                     lost += 1
         return lost
 

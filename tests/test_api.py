@@ -177,9 +177,21 @@ def test_job_whose_actor_is_gone_is_marked_failed(server, ray_session):
     with server.client() as c:
         job = c.post("/v1/jobs", json=small_spec("orphan", steps=100000)).json()
         wait_state(c, job["id"], {"RUNNING"})
+        pg_name = f"relaytrain:{job['id']}:workers"
+        assert any(pg.get("name") == pg_name and pg.get("state") == "CREATED"
+                   for pg in ray_session.util.placement_group_table().values())
         ray_session.kill(ray_session.get_actor(f"relaytrain:{job['id']}:scheduler", namespace="relaytrain"))
         failed = wait_state(c, job["id"], {"FAILED"}, timeout=30)
         assert "scheduler actor is gone" in failed["error"]
+    # its worker slots are given back (the placement group was detached, so the server frees it)
+    deadline = time.monotonic() + 15
+
+    def leaked():
+        return [pg for pg in ray_session.util.placement_group_table().values()
+                if pg.get("name") == pg_name and pg.get("state") != "REMOVED"]
+    while leaked() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert leaked() == []
 
 
 def test_tenants_are_isolated(server):
