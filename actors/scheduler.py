@@ -324,7 +324,7 @@ class JobScheduler:
         return out
 
     def _train(self, start: int) -> None:
-        spec, p = self.spec, self.spec.parallelism
+        spec = self.spec
         steps, B = spec.training.steps, spec.training.global_batch_size
         every = spec.checkpoint.every_steps
         for step in range(start, steps):

@@ -13,7 +13,7 @@ import socket
 import time
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist

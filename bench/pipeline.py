@@ -66,15 +66,8 @@ def relaytrain(spec, warmup: int) -> tuple[list[float], list[float], float]:
     from service.runner import run_job
 
     with tempfile.TemporaryDirectory() as out:
-        final = run_job(spec=spec, out=out, progress=False)
-        rows = final_rows(out)
-    rows = rows[warmup:]
+        rows = run_job(spec=spec, out=out, progress=False, record=False)["metrics"][warmup:]
     return [r["step_time_s"] for r in rows], [r["bubble"] for r in rows], rows[0]["bubble_plan"]
-
-
-def final_rows(out: str) -> list[dict]:
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(x) for x in f]
 
 
 def main() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import copy
 import re
 import tomllib
-from pathlib import Path
 
 import pytest
 

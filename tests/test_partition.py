@@ -2,7 +2,6 @@ import pytest
 import torch
 
 from service import partition as P
-from service.builtins import mlp
 
 
 def test_uniform():
