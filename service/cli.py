@@ -65,7 +65,15 @@ def _serve(args) -> int:
 
     from api.app import create_app
 
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info")
+    try:
+        app = create_app(settings)
+    except Exception as e:  # the store cannot be opened or migrated: say so, no traceback
+        from sqlalchemy.engine import make_url
+
+        where = make_url(settings.db_url).render_as_string(hide_password=True)  # never print a password
+        print(f"relaytrain serve: cannot open the job store at {where}: {e}", file=sys.stderr)
+        return 2
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 
 

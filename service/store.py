@@ -107,7 +107,11 @@ class Store:
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
         else:
             kwargs["pool_pre_ping"] = True
-        self.engine = sa.create_engine(self.url, **kwargs)
+        try:
+            self.engine = sa.create_engine(self.url, **kwargs)
+        except ModuleNotFoundError as e:
+            raise RuntimeError(f"the job store URL needs the {e.name} driver: pip install 'relaytrain[postgres]'"
+                               if "postgres" in self.url else f"the job store URL needs {e.name}: {e}") from None
         if self.url.startswith("sqlite"):
             @sa.event.listens_for(self.engine, "connect")
             def _pragmas(conn, _record):

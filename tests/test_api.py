@@ -317,3 +317,12 @@ def test_cli_on_a_failing_job(server):
     assert cancel.returncode == 1 and "HTTP 409" in cancel.stderr and "already ended FAILED" in cancel.stderr
     other = cli(server, "status", job["id"], token=BOB)
     assert other.returncode == 1 and "HTTP 404" in other.stderr
+
+
+def test_serve_with_an_unreachable_store_says_so_without_the_password(tmp_path):
+    env = {**os.environ, "RELAYTRAIN_HOME": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--db", "postgresql://u:s3cret@127.0.0.1:1/db"],
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2
+    assert p.stderr.startswith("relaytrain serve: cannot open the job store at postgresql://u:***@127.0.0.1:1/db")
+    assert "s3cret" not in p.stderr
