@@ -5,7 +5,7 @@ import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,6 +32,31 @@ class Telemetry:
             self.jobs.labels(state=s.value).set(counts.get(s.value, 0))
 
 
+class BodyLimit:
+    """ASGI middleware: a request body larger than its route's limit is a 413, whether the
+    client sent Content-Length or streamed it in chunks."""
+
+    def __init__(self, app, limit_for):
+        self.app, self.limit_for = app, limit_for
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        limit = self.limit_for(scope["path"])
+        seen = 0
+
+        async def limited_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise HTTPException(413, f"request body over the limit of {limit} bytes")
+            return message
+
+        await self.app(scope, limited_receive, send)
+
+
 def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) -> FastAPI:
     settings = settings or Settings()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -53,12 +78,16 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     app.state.manager, app.state.auth, app.state.settings = manager, auth, settings
     app.state.telemetry = Telemetry()
 
+    def body_limit(path: str) -> int:
+        return settings.max_package_bytes if path.startswith("/v1/packages") else settings.max_body_bytes
+
+    app.add_middleware(BodyLimit, limit_for=body_limit)
+
     @app.middleware("http")
     async def limits_and_telemetry(request: Request, call_next):
         t0 = time.perf_counter()
         length = request.headers.get("content-length")
-        is_package = request.url.path.startswith("/v1/packages")
-        limit = settings.max_package_bytes if is_package else settings.max_body_bytes
+        limit = body_limit(request.url.path)
         if length is not None and (not length.isdigit() or int(length) > limit):
             response = JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, status_code=413)
         else:

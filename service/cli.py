@@ -25,7 +25,7 @@ def _run(args) -> int:
 
     try:
         final = run_job(args.spec, args.out, ray_address=args.ray_address, resume=args.resume,
-                        progress=not args.no_progress, timeout=args.timeout)
+                        progress=not args.no_progress, timeout=args.timeout, local_cpus=args.local_cpus)
     except SpecError as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 2
@@ -207,6 +207,8 @@ def main(argv=None) -> int:
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                      help="resume from a checkpoint folder, or the newest under the spec's checkpoint.path")
     run.add_argument("--timeout", type=float, default=300.0, help="seconds a step may take before the job fails")
+    run.add_argument("--local-cpus", type=int, default=None,
+                     help="worker slots of the local Ray (default: the machine's cores; may be more)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(fn=_run)
 

@@ -56,7 +56,7 @@ def upload_runtime_env(env: dict) -> dict:
     return env
 
 
-def _connect(ray_address: Optional[str]) -> bool:
+def _connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bool:
     """Connect to Ray; returns True when this call started (and so must stop) it."""
     import ray
 
@@ -66,7 +66,8 @@ def _connect(ray_address: Optional[str]) -> bool:
     if ray_address:
         ray.init(address=ray_address, **kwargs)
         return True
-    ray.init(address="local", include_dashboard=False, **kwargs)  # never a cluster of `ray start`
+    # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
+    ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
     return True
 
 
@@ -115,7 +116,8 @@ class _Outputs:
 
 def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional[JobSpec] = None,
             spec_dir: Optional[str] = None, ray_address: Optional[str] = None, resume: Optional[str] = None,
-            progress: bool = True, timeout: float = 300.0, record: bool = True) -> dict:
+            progress: bool = True, timeout: float = 300.0, record: bool = True,
+            local_cpus: Optional[int] = None) -> dict:
     """Train ``spec`` to completion; returns the scheduler's final report.  Raises
     :class:`SpecError` before anything starts for a spec that cannot work, and
     :class:`JobFailed` when the job fails while running.  With ``record`` the job and its
@@ -138,7 +140,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
     from actors.scheduler import NAMESPACE, JobScheduler
 
-    started_ray = _connect(ray_address)
+    started_ray = _connect(ray_address, local_cpus)
     outputs = _Outputs(Path(out))
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None

@@ -245,6 +245,9 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "optimizer", "name"]
         r = c.post("/v1/jobs", content=b"x" * (2 << 20), headers={"Content-Type": "application/json"})
         assert r.status_code == 413
+        chunks = (b"x" * 65536 for _ in range(40))  # 2.5 MiB streamed without Content-Length
+        r = c.post("/v1/jobs", content=chunks, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413 and "over the limit" in r.json()["detail"]
         r = c.post("/v1/packages", content=b"not a zip", headers={"Content-Type": "application/zip"})
         assert r.status_code == 422 and "not a zip file" in r.json()["detail"]
         buf = io.BytesIO()

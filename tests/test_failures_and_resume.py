@@ -122,6 +122,22 @@ def test_cli_run_end_to_end(ray_session, tmp_path):
     assert list(sd) == list(mlp(hidden=32, layers=2).state_dict())
 
 
+def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores(tmp_path):
+    """No --ray-address: `relaytrain run` starts (and stops) a local Ray; --local-cpus 4 lets a
+    2x2 job run on this 2-core machine."""
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text(
+        "name: local-job\nmodel: {kind: mlp, args: {hidden: 16, layers: 2}}\ndata: {kind: digits}\n"
+        "training: {global_batch_size: 32, microbatch_size: 8, steps: 3}\n"
+        "parallelism: {dp: 2, pp: 2, transport: collective}\n")
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(out),
+                        "--local-cpus", "4", "--no-progress"], capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stderr
+    assert "SUCCEEDED: 3 steps" in p.stdout
+    assert [json.loads(x)["dp"] for x in open(out / "metrics.jsonl")] == [2, 2, 2]
+
+
 def test_cli_run_bad_spec_says_one_sentence(tmp_path):
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("name: bad\nmodel: {kind: mlp}\ndata: {kind: digits}\n"
