@@ -79,12 +79,19 @@ class StoreSink:
         self.store, self.job_id = Store(url), job_id
         self._events: list[dict] = []
         self._metrics: list[dict] = []
+        self._fields: dict[str, Any] = {}
+        self._state: Optional[tuple[JobState, Optional[str]]] = None
         self._lock = threading.Lock()
 
-    def write(self, events=(), metrics=(), state: Optional[JobState] = None, **fields) -> None:
+    def write(self, events=(), metrics=(), state: Optional[JobState] = None, error: Optional[str] = None,
+              **fields) -> None:
+        """Queue rows, job fields and a state change, then try to write everything queued."""
         with self._lock:
             self._events += list(events)
             self._metrics += list(metrics)
+            self._fields.update(fields)
+            if state is not None:
+                self._state = (state, error)
             try:
                 if self._events:
                     self.store.add_events(self.job_id, [_jsonable(e) for e in self._events])
@@ -92,11 +99,13 @@ class StoreSink:
                 if self._metrics:
                     self.store.add_metrics(self.job_id, self._metrics)
                     self._metrics = []
-                if fields:
-                    self.store.update_job(self.job_id, **fields)
-                if state is not None:
-                    self.store.set_state(self.job_id, state, error=fields.get("error"))
-            except Exception as e:  # keep training; the rows are kept for the next write
+                if self._fields:
+                    self.store.update_job(self.job_id, **self._fields)
+                    self._fields = {}
+                if self._state is not None:
+                    self.store.set_state(self.job_id, self._state[0], error=self._state[1])
+                    self._state = None
+            except Exception as e:  # keep training; what is queued goes with the next write
                 print(f"relaytrain: job store write failed, will retry: {e}", file=sys.stderr)
 
 
@@ -121,7 +130,6 @@ class JobScheduler:
         self.metrics: list[dict] = []
         self.events: list[dict] = []
         self.error: Optional[str] = None
-        self.error_detail: Optional[str] = None
         self.step = 0
         self.shape: dict[str, Any] = {}
         self.workers: dict[tuple[int, int], Any] = {}
@@ -143,13 +151,13 @@ class JobScheduler:
         if self.sink:
             self.sink.write(events=[row])
 
-    def _set_state(self, state: JobState, error: Optional[str] = None, **fields) -> None:
+    def _set_state(self, state: JobState, error: Optional[str] = None) -> None:
         with self._lock:
             self.state = state
             if error is not None:
                 self.error = error
         if self.sink:
-            self.sink.write(state=state, **({"error": error} if error else {}), **fields)
+            self.sink.write(state=state, error=error)
 
     def start(self) -> bool:
         """Run the job in a thread of this actor and return at once (the control plane
@@ -190,13 +198,11 @@ class JobScheduler:
         try:
             self._run()
         except (JobFailure, SpecError) as e:
-            self.error_detail = getattr(e, "detail", "")
-            self._event("failed", str(e), detail=self.error_detail)
+            self._event("failed", str(e), detail=getattr(e, "detail", ""))
             self._set_state(JobState.FAILED, str(e))
         except Exception as e:  # a bug or an unexpected Ray error: still say why
-            self.error_detail = traceback.format_exc()
             msg = f"the scheduler raised {type(e).__name__}: {e}"
-            self._event("failed", msg, detail=self.error_detail)
+            self._event("failed", msg, detail=traceback.format_exc())
             self._set_state(JobState.FAILED, msg)
         finally:
             self._teardown()

@@ -177,8 +177,10 @@ class JobManager:
             actor = ray.remote(JobScheduler).options(
                 name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
                 max_concurrency=4, runtime_env=env or None,
-            ).remote(job["id"], job["spec"], [], str(ckpt) if spec.checkpoint.every_steps else None, None,
-                     300.0, self.settings.start_timeout_s, self.store.url, True, True)
+            ).remote(job["id"], job["spec"], [],
+                     checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
+                     start_timeout=self.settings.start_timeout_s, store_url=self.store.url,
+                     detached=True, preflight=True)
             ref = actor.start.remote()
         except Exception as e:
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
