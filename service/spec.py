@@ -133,6 +133,27 @@ class ResourcesSpec(_Strict):
     cpus_per_worker: float = Field(1, gt=0, description="CPU slots per worker actor")
     gpus_per_worker: Optional[float] = Field(
         None, ge=0, description="GPUs per worker; unset = 1 when the cluster has a GPU per worker, else 0")
+    memory_per_worker_mb: Optional[float] = Field(
+        None, gt=0, description="memory a worker may use for its stage (parameters, gradients, optimizer state and "
+                                "activations in flight); the elastic planner only picks shapes that fit")
+
+
+class ElasticSpec(_Strict):
+    enabled: bool = Field(False, description="keep training while nodes join, leave or drain, reshaping dp x pp")
+    min_workers: int = Field(ELASTIC_MIN_WORKERS, ge=1, description="fewest workers the job trains on; below it the job waits")
+    max_workers: int = Field(ELASTIC_MAX_WORKERS, ge=1, description="most workers the job grows to when nodes join")
+    wait_timeout_s: float = Field(300.0, gt=0, description="how long a job below min_workers waits for slots, then fails")
+    snapshot_every_steps: int = Field(
+        1, ge=0, description="copy the committed state of every stage to the scheduler's node every N steps, so losing "
+                             "every replica of a stage loses no step (0 = rely on checkpoints)")
+    min_gain: float = Field(0.10, ge=0, description="a voluntary reshape (scale-up) needs this modelled speed-up")
+
+    @model_validator(mode="after")
+    def _range(self):
+        if self.min_workers > self.max_workers:
+            raise ValueError(f"elastic.min_workers ({self.min_workers}) is above elastic.max_workers "
+                             f"({self.max_workers})")
+        return self
 
 
 class CheckpointSpec(_Strict):
@@ -152,6 +173,7 @@ class JobSpec(_Strict):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    elastic: ElasticSpec = Field(default_factory=ElasticSpec)
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")
 
     @model_validator(mode="after")
@@ -162,6 +184,11 @@ class JobSpec(_Strict):
                 f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"parallelism.dp x training.microbatch_size ({p.dp} x {t.microbatch_size} = "
                 f"{p.dp * t.microbatch_size}): change the batch size, the microbatch size or dp")
+        e = self.elastic
+        if e.enabled and not e.min_workers <= p.dp * p.pp <= e.max_workers:
+            raise ValueError(
+                f"the preferred shape parallelism.dp x parallelism.pp ({p.dp} x {p.pp} = {p.dp * p.pp} workers) must lie "
+                f"within elastic.min_workers..max_workers ({e.min_workers}..{e.max_workers})")
         return self
 
     @property

@@ -151,3 +151,15 @@ def test_loss_that_is_not_a_scalar():
                              loss={"builder": "userpkg.models:build"}))  # returns a model, not a loss
     with pytest.raises(SpecError, match="the loss fails on the model's output|must return a scalar"):
         preflight(s, [FIXTURES])
+
+
+def test_elastic_range_and_preferred_shape():
+    s = parse_spec(spec_with(elastic={"enabled": True, "min_workers": 1, "max_workers": 4}))
+    assert s.elastic.enabled and s.elastic.snapshot_every_steps == 1
+    with pytest.raises(SpecError, match=r"elastic.min_workers \(5\) is above elastic.max_workers \(4\)"):
+        parse_spec(spec_with(elastic={"enabled": True, "min_workers": 5, "max_workers": 4}))
+    with pytest.raises(SpecError, match=r"preferred shape parallelism.dp x parallelism.pp \(2 x 2 = 4 workers\) "
+                                        r"must lie within elastic.min_workers..max_workers \(1..2\)"):
+        parse_spec(spec_with(parallelism__dp=2, parallelism__pp=2, elastic={"enabled": True, "max_workers": 2}))
+    with pytest.raises(SpecError, match="resources.memory_per_worker_mb: Input should be greater than 0"):
+        parse_spec(spec_with(resources__memory_per_worker_mb=0))
