@@ -19,8 +19,9 @@ import torch
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.worker import StageWorker
-from service import checkpoint, partition, schedules
+from actors.cluster import NodeWatch
+from actors.worker import StageWorker, layer_of
+from service import checkpoint, partition, planner, schedules
 from service.loading import build_data, build_model, preflight
 from service.sampling import step_indices
 from service.spec import JobSpec, SpecError
@@ -113,6 +114,45 @@ def _jsonable(row: dict) -> dict:
     return {k: (v if isinstance(v, (str, int, float, bool, list, dict, type(None))) else str(v)) for k, v in row.items()}
 
 
+class WorkerLost(Exception):
+    """Workers of a step were lost (their actor or node died); the job can reshape."""
+
+    def __init__(self, failure: "JobFailure", lost: set, first_error_time: float):
+        super().__init__(str(failure))
+        self.failure, self.lost, self.time = failure, lost, first_error_time
+
+
+_COMM_ERRORS = ("DistBackendError", "StageAborted", "TimeoutError")
+_COMM_WORDS = ("Connection closed", "Connection reset", "peer", "Gloo", "gloo", "was discarded", "Broken pipe")
+
+
+def _is_comm_error(err: Exception) -> bool:
+    """A step that failed because a peer went away (not because user code raised)."""
+    cause = getattr(err, "cause", None) or err
+    text = str(err)
+    return type(cause).__name__ in _COMM_ERRORS or any(w in text for w in _COMM_WORDS)
+
+
+def _lost_actor(err: Exception) -> bool:
+    return isinstance(err, ray.exceptions.RayActorError) and not isinstance(err, ray.exceptions.RayTaskError)
+
+
+def _merge_states(parts) -> dict:
+    model, optim = {}, {"state": {}, "groups": None}
+    for part in parts:
+        model.update(part["model"])
+        optim["state"].update(part["optim"]["state"])
+        optim["groups"] = optim["groups"] or part["optim"]["groups"]
+    return {"model": model, "optim": optim}
+
+
+def _subset(state: dict, layers: set[int]) -> dict:
+    keep = lambda k: layer_of(k) in layers  # noqa: E731
+    return {"model": {k: v for k, v in state["model"].items() if keep(k)},
+            "optim": {"state": {k: v for k, v in state["optim"]["state"].items() if keep(k)},
+                      "groups": state["optim"]["groups"]}}
+
+
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
@@ -122,6 +162,7 @@ class JobScheduler:
         self.run_preflight = preflight
         self.sink = StoreSink(store_url, job_id) if store_url else None
         self.spec = JobSpec.model_validate(spec)
+        self.elastic = self.spec.elastic.enabled
         self.search = search
         self.checkpoint_root = checkpoint_root
         self.resume = resume
@@ -132,8 +173,19 @@ class JobScheduler:
         self.error: Optional[str] = None
         self.step = 0
         self.shape: dict[str, Any] = {}
+        self.cur: Optional[planner.Shape] = None
         self.workers: dict[tuple[int, int], Any] = {}
+        self.where: dict[tuple[int, int], dict] = {}     # cell -> {node, layers, name}
+        self.names: dict[str, str] = {}                  # actor id -> actor name
+        self.gen = 0
         self.pg = None
+        self.watch: Optional[NodeWatch] = None
+        self.snap: Optional[dict] = None                 # off-node copy of every stage: {step, model, optim}
+        self._snap_busy = False
+        self._incoming: Optional[dict] = None            # workers being started for a scale-up
+        self._scale_backoff = 0.0
+        self._reshaping: Optional[dict] = None           # the reshape whose first committed step is awaited
+        self.reshapes = 0
         self._final: Optional[dict] = None
         self.timelines: collections.deque = collections.deque(maxlen=16)  # recent steps only
         self._cancel = threading.Event()
@@ -215,18 +267,23 @@ class JobScheduler:
         self._event("started", f"job {self.job_id} started")
         if self.run_preflight:  # user code is imported here, never in the API server
             preflight(spec, [os.getcwd(), *self.search])
-        p = spec.parallelism
-        bounds, boundary, costs = self._plan()
-        gpus = self._gpus_per_worker()
-        self.shape = {"dp": p.dp, "pp": p.pp, "partition": [b - a for a, b in bounds], "schedule": p.schedule,
-                      "transport": p.transport, "microbatches": spec.microbatches, "gpus_per_worker": gpus}
-        if self.sink:
-            self.sink.write(shape=self.shape)
-        self._event("shape", f"shape dp={p.dp} x pp={p.pp}, layers per stage {self.shape['partition']}, "
-                    f"{p.schedule} with {spec.microbatches // p.dp} microbatches per replica, transport {p.transport}",
-                    **self.shape, layer_costs_s=costs)
-        self._spawn(bounds, boundary, gpus)
-        start = self._maybe_resume()
+        self.facts, self.metas = self._plan()
+        self.gpus = self._gpus_per_worker()
+        copy = self._resume_copy()
+        start = copy["step"] if copy else 0
+        if self.elastic:
+            self.watch = NodeWatch().start()
+            shape, why = self._decide(reusable=0, exclude=set(), current=None)
+            self._install(shape, why, {}, start, copy=copy, donors={})
+        else:
+            p = spec.parallelism
+            sizes = partition.choose(p.partition, self.facts.layers, p.pp,
+                                     self.facts.seconds if self._profiled else None)
+            shape = self._model(p.dp, p.pp, sizes)
+            self._install(shape, "the spec's shape", {}, start, copy=copy, donors={})
+        if copy:
+            self.step = start
+            self._event("resumed", f"resumed from {copy['path']} at step {start}", checkpoint=copy["path"], step=start)
         self._set_state(JobState.RUNNING)
         self._train(start)
         if self.state is JobState.RUNNING:
@@ -236,8 +293,10 @@ class JobScheduler:
                         f"{self.metrics[-1]['loss']:.6g}" if self.metrics else "job finished")
             self._set_state(JobState.SUCCEEDED)
 
+    # ---------------------------------------------------------------- planning
+
     def _plan(self):
-        """Stage bounds, the (shape, dtype) at each stage boundary, and the layer costs."""
+        """The planner's facts about each layer, and the (shape, dtype) of each layer's output."""
         spec, p = self.spec, self.spec.parallelism
         search = [os.getcwd(), *self.search]
         model = build_model(spec, search)
@@ -245,80 +304,191 @@ class JobScheduler:
         t = spec.training
         idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
         x, _ = samples.batch(idx)
-        costs = None
-        if p.partition == "balanced" and p.pp > 1:
-            costs = partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
-        sizes = partition.choose(p.partition, len(model), p.pp, costs)
-        bounds = partition.bounds(sizes)
-        metas = []
+        self._profiled = self.elastic or (p.partition == "balanced" and p.pp > 1)
+        seconds = (partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
+                   if self._profiled else [0.0] * len(model))
+        metas, act_bytes = [], []
         with torch.no_grad():
             h = x
             for layer in model:
                 h = layer(h)
                 metas.append((tuple(h.shape), h.dtype))
-        boundary = [metas[hi - 1] for _, hi in bounds]
-        return bounds, boundary, costs
+                act_bytes.append(h.numel() * h.element_size())
+        params = [sum(q.numel() * q.element_size() for q in layer.parameters()) for layer in model]
+        return planner.LayerFacts(seconds, params, act_bytes), metas
+
+    def _model(self, dp: int, pp: int, sizes) -> planner.Shape:
+        p = self.spec.parallelism
+        return planner.model_shape(self.facts, dp, pp, self.spec.microbatches, schedule=p.schedule,
+                                   transport=p.transport, optimizer=self.spec.optimizer.name,
+                                   partition_rule=list(sizes))
 
     def _gpus_per_worker(self) -> float:
         g = self.spec.resources.gpus_per_worker
         if g is not None:
             return g
         workers = self.spec.parallelism.dp * self.spec.parallelism.pp
+        if self.elastic:
+            workers = self.spec.elastic.min_workers
         return 1.0 if ray.cluster_resources().get("GPU", 0) >= workers else 0.0
 
-    def _spawn(self, bounds, boundary, gpus: float) -> None:
-        spec, p = self.spec, self.spec.parallelism
+    def _decide(self, reusable: int, exclude: set, current: Optional[tuple]) -> tuple[planner.Shape, str]:
+        """Ask the planner for a shape over the slots alive now; wait (RESHAPING) while it says
+        wait, up to elastic.wait_timeout_s."""
+        e, p, spec = self.spec.elastic, self.spec.parallelism, self.spec
+        mem = spec.resources.memory_per_worker_mb
+        deadline = time.monotonic() + e.wait_timeout_s
+        waited = False
+        while True:
+            view = self.watch.refresh()
+            slots = reusable + view.free_slots(spec.resources.cpus_per_worker, self.gpus, exclude)
+            d = planner.plan(slots, self.facts, spec.training.global_batch_size, spec.training.microbatch_size,
+                             preferred=(p.dp, p.pp), min_workers=e.min_workers, max_workers=e.max_workers,
+                             schedule=p.schedule, transport=p.transport, optimizer=spec.optimizer.name,
+                             partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
+                             current=current, min_gain=e.min_gain)
+            if not d.wait:
+                return d.shape, d.reason
+            if not waited:
+                waited = True
+                self._set_state(JobState.RESHAPING)
+                self._event("waiting", d.reason, slots=slots)
+            if time.monotonic() > deadline or self._cancel.is_set():
+                raise JobFailure(f"{d.reason}; gave up after elastic.wait_timeout_s={e.wait_timeout_s:g} s")
+            time.sleep(1.0)
+
+    def _resume_copy(self) -> Optional[dict]:
+        if not self.resume:
+            return None
+        state = checkpoint.load(self.resume)
+        return {"step": int(state["step"]), "model": state["model"], "optim": state["optim"],
+                "path": str(state["path"])}
+
+    # ---------------------------------------------------------------- placing workers
+
+    def _spawn(self, cells: list, names: Optional[list[str]] = None) -> dict:
+        """New worker actors for ``cells`` (not configured yet)."""
+        spec = self.spec
         cpus = spec.resources.cpus_per_worker
-        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(p.dp * p.pp)], strategy="PACK",
-                                  name=placement_group_name(self.job_id),
-                                  lifetime="detached" if self.detached else None)
-        if not self.pg.wait(self.start_timeout):
-            total = ray.cluster_resources()
-            raise JobFailure(
-                f"could not place {p.dp * p.pp} workers of {bundle} within {self.start_timeout:.0f} s "
-                f"(the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all); "
-                "lower dp x pp or the resources per worker, or add nodes")
         Worker = ray.remote(StageWorker)
         spec_dict = spec.model_dump(mode="json")
-        for r in range(p.dp):
-            for s in range(p.pp):
-                self.workers[(r, s)] = Worker.options(
-                    name=f"relaytrain:{self.job_id}:w{r}.{s}", namespace=NAMESPACE,
-                    num_cpus=cpus, num_gpus=gpus, max_concurrency=4,
-                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, r * p.pp + s),
-                ).remote(self.job_id, spec_dict, r, s, p.dp, p.pp, bounds, boundary, self.search, p.schedule,
-                         self.timeout)
-        self._gather({k: w.__ray_ready__.remote() for k, w in self.workers.items()}, None, self.start_timeout)
-        need_group = p.transport == "collective" or p.dp > 1
-        rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
-        calls = {}
-        for (r, s), w in self.workers.items():
-            prev_w = self.workers.get((r, s - 1))
-            next_w = self.workers.get((r, s + 1))
-            calls[(r, s)] = w.connect.remote(p.transport, (prev_w, next_w), rdzv, p.dp * p.pp)
-        self._gather(calls, None, self.start_timeout)
+        opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 4,
+                                "namespace": NAMESPACE}
+        if not self.elastic:  # a fixed shape is placed all at once, packed
+            bundle = {"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})}
+            self.pg = placement_group([dict(bundle) for _ in cells], strategy="PACK",
+                                      name=placement_group_name(self.job_id),
+                                      lifetime="detached" if self.detached else None)
+            if not self.pg.wait(self.start_timeout):
+                total = ray.cluster_resources()
+                raise JobFailure(
+                    f"could not place {len(cells)} workers of {bundle} within {self.start_timeout:.0f} s "
+                    f"(the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all); "
+                    "lower dp x pp or the resources per worker, or add nodes")
+        out = {}
+        for i, (r, s) in enumerate(cells):
+            name = (names[i] if names else f"relaytrain:{self.job_id}:w{r}.{s}" + (f"-{self.gen + 1}" if self.gen else ""))
+            extra = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i)} if self.pg else {})
+            h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
+            self.names[h._actor_id.hex()] = name
+            out[(r, s)] = h
+        return out
 
-    def _maybe_resume(self) -> int:
-        if not self.resume:
-            return 0
-        state = checkpoint.load(self.resume)
-        step = int(state["step"])
-        ref = ray.put({"model": state["model"], "optim": state["optim"]})
-        self._gather({k: w.load_state.remote(ref) for k, w in self.workers.items()}, None, self.timeout)
-        self.step = step
-        self._event("resumed", f"resumed from {state['path']} at step {step}", checkpoint=state["path"], step=step)
-        return step
+    def _wait_ready(self, handles: dict, timeout: float) -> None:
+        self._gather({k: h.__ray_ready__.remote() for k, h in handles.items()}, None, timeout)
+
+    def _install(self, shape: planner.Shape, why: str, assign: dict, committed: int, *, copy: Optional[dict],
+                 donors: dict, copy_layers: Optional[set] = None) -> None:
+        """Configure workers into ``shape`` at ``committed`` steps and connect them.
+
+        ``assign`` maps cells to live workers that keep their memory; the other cells get new
+        workers.  Layers a worker lacks come from ``donors`` (cell -> live worker holding the
+        committed state) or, for ``copy_layers`` (every layer when None and ``copy`` is given),
+        from ``copy``: a snapshot or checkpoint held here."""
+        p = self.spec.parallelism
+        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        new = [c for c in cells if c not in assign]
+        if new:
+            spawned = self._spawn(new)
+            try:
+                self._wait_ready(spawned, self.start_timeout)
+            except JobFailure:
+                for h in spawned.values():
+                    ray.kill(h)
+                raise
+            assign = {**assign, **spawned}
+        bounds = shape.bounds
+        boundary = [self.metas[hi - 1] for _, hi in bounds]
+        old_layers = {h._actor_id.hex(): set(range(*self.where[c]["layers"])) for c, h in donors.items()}
+        if copy is not None and copy_layers is None:
+            copy_layers = set(range(self.facts.layers))
+        copy_layers = copy_layers or set()
+        copy_refs: dict = {}
+        calls = {}
+        self.gen += 1
+        for (r, s), h in assign.items():
+            need = set(range(*bounds[s]))
+            held = set() if copy_layers == set(range(self.facts.layers)) else old_layers.get(h._actor_id.hex(), set())
+            sources = []
+            from_copy = sorted(need & copy_layers)
+            if from_copy and committed > 0:
+                key = tuple(from_copy)
+                if key not in copy_refs:
+                    copy_refs[key] = ray.put(_subset(copy, set(from_copy)))
+                sources.append(copy_refs[key])
+            missing = need - held - copy_layers
+            if missing and committed > 0:
+                by_donor: dict = {}
+                for layer in sorted(missing):
+                    donor = next((d for c, d in donors.items() if layer in old_layers[d._actor_id.hex()]), None)
+                    if donor is None:
+                        raise JobFailure(f"no live copy of layer {layer} at step {committed}")
+                    by_donor.setdefault(donor._actor_id.hex(), (donor, []))[1].append(layer)
+                for donor, layers in by_donor.values():
+                    sources.append(donor.export.remote(layers, committed))
+            cell = {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp,
+                    "bounds": bounds, "boundary": boundary, "schedule": p.schedule, "committed": committed}
+            calls[(r, s)] = h.configure.remote(cell, sources)
+        infos = self._gather(calls, None, self.start_timeout)
+        self.workers = dict(assign)
+        self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
+                          "name": self.names.get(h._actor_id.hex(), "")} for c, h in assign.items()}
+        need_group = p.transport == "collective" or shape.dp > 1
+        rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
+        conns = {}
+        for (r, s), w in self.workers.items():
+            conns[(r, s)] = w.connect.remote(p.transport, (self.workers.get((r, s - 1)), self.workers.get((r, s + 1))),
+                                             rdzv, shape.workers)
+        self._gather(conns, None, self.start_timeout)
+        self.cur = shape
+        self.shape = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
+                      "transport": p.transport, "microbatches": self.spec.microbatches,
+                      "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": self.gpus,
+                      "workers": {f"w{r}.{s}": self.where[(r, s)]["node"] for r, s in sorted(self.workers)}}
+        if self.sink:
+            self.sink.write(shape=self.shape)
+        self._event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per stage {list(shape.sizes)}, "
+                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
+                    f"transport {p.transport} ({why})", **self.shape, reason=why,
+                    layer_costs_s=list(self.facts.seconds) if self._profiled else None)
+
+    # ---------------------------------------------------------------- steps
 
     def _gather(self, refs: dict, step: Optional[int], timeout: float) -> dict:
-        """Results of one call per worker; the first failure stops the job at once."""
+        """Results of one call per worker.  On a failure, wait briefly for the others so the
+        cause is reported (a user error beats the peers' broken connections), then raise:
+        ``WorkerLost`` when workers died in an elastic job, else ``JobFailure``."""
         by_ref = {ref: key for key, ref in refs.items()}
         pending = list(by_ref)
-        out = {}
+        out, errors = {}, {}
         deadline = time.monotonic() + timeout
+        first_error = None
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            limit = deadline if first_error is None else min(deadline, first_error + 3.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, limit - time.monotonic()))
             if not done:
+                if first_error is not None:
+                    break
                 names = ", ".join(f"w{r}.{s}" for r, s in sorted(by_ref[x] for x in pending))
                 what = f"step {step + 1}" if step is not None else "start-up"
                 raise JobFailure(f"workers {names} did not finish {what} within {timeout:.0f} s")
@@ -326,20 +496,45 @@ class JobScheduler:
             try:
                 out[key] = ray.get(done[0])
             except Exception as e:
-                raise _worker_failure(f"w{key[0]}.{key[1]}", step, e) from None
-        return out
+                errors[key] = e
+                if first_error is None:
+                    first_error = time.monotonic()
+                    t_error = time.time()
+                if not _is_comm_error(e) and not _lost_actor(e):
+                    break  # user code raised: that is the cause
+        if not errors:
+            return out
+        user = {k: e for k, e in errors.items() if not _is_comm_error(e) and not _lost_actor(e)}
+        lost = {k for k, e in errors.items() if _lost_actor(e)}
+        if user:
+            k = min(user)
+            raise _worker_failure(f"w{k[0]}.{k[1]}", step, user[k]) from None
+        k = min(lost) if lost else min(errors)
+        failure = _worker_failure(f"w{k[0]}.{k[1]}", step, errors[k])
+        if self.elastic and step is not None:
+            raise WorkerLost(failure, lost, t_error)
+        raise failure from None
 
     def _train(self, start: int) -> None:
         spec = self.spec
         steps, B = spec.training.steps, spec.training.global_batch_size
         every = spec.checkpoint.every_steps
-        for step in range(start, steps):
+        snap_every = spec.elastic.snapshot_every_steps if self.elastic else 0
+        step = start
+        while step < steps:
             if self._cancel.is_set():
                 self._event("cancelled", f"job cancelled after {step} committed steps")
                 self._set_state(JobState.CANCELLED)
                 return
+            if self.elastic:
+                self._at_boundary(step)
             t0 = time.time()
-            stats = self._gather({k: w.run_step.remote(step) for k, w in self.workers.items()}, step, self.timeout)
+            refs = {k: w.run_step.remote(step) for k, w in self.workers.items()}
+            try:
+                stats = self._gather(refs, step, self.timeout)
+            except WorkerLost as lost:
+                step = self._recover(step, refs, lost)
+                continue
             t1 = time.time()
             row = self._metrics_row(step, stats, t1 - t0, B)
             with self._lock:
@@ -349,27 +544,32 @@ class JobScheduler:
                 self.step = step + 1
             if self.sink:
                 self.sink.write(metrics=[row])
+            if self._reshaping:
+                self._reshaped(step + 1)
+            if snap_every and (step + 1) % snap_every == 0:
+                self._take_snapshot(step + 1)
             if every and ((step + 1) % every == 0 or step + 1 == steps) and self.checkpoint_root:
-                path = checkpoint.save(self.checkpoint_root, step + 1, *self._collect_state(),
+                path = checkpoint.save(self.checkpoint_root, step + 1, *self._collect_state(step + 1),
                                        {"job_id": self.job_id, "name": spec.name}, keep=spec.checkpoint.keep)
                 self._event("checkpoint", f"checkpoint of step {step + 1} at {path}", step=step + 1, path=str(path))
-        model, _ = self._collect_state()
+            step += 1
+        model, _ = self._collect_state(steps)
         self._final = model
 
     def _metrics_row(self, step: int, stats: dict, wall: float, B: int) -> dict:
-        p = self.spec.parallelism
+        dp, pp, sched = self.cur.dp, self.cur.pp, self.spec.parallelism.schedule
         loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
         utils = []
-        for r in range(p.dp):
-            cells = [stats[(r, s)] for s in range(p.pp)]
+        for r in range(dp):
+            cells = [stats[(r, s)] for s in range(pp)]
             span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
-            utils.append(sum(c["busy"] for c in cells) / (p.pp * span) if span > 0 else 1.0)
-        ideal = float(schedules.simulate(schedules.build(p.schedule, p.pp, self.spec.microbatches // p.dp)).bubble)
+            utils.append(sum(c["busy"] for c in cells) / (pp * span) if span > 0 else 1.0)
+        ideal = float(schedules.simulate(schedules.build(sched, pp, self.spec.microbatches // dp)).bubble)
         return {"step": step + 1, "loss": loss, "time": time.time(), "samples_per_s": B / wall,
-                "step_time_s": wall, "dp": p.dp, "pp": p.pp,
+                "step_time_s": wall, "dp": dp, "pp": pp,
                 "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
-                "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(p.dp)) for s in range(p.pp)],
-                "allreduce_s": max(s["allreduce_s"] for s in stats.values())}
+                "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
+                "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": self.reshapes}
 
     def _save_model(self) -> None:
         """The trained state_dict into the job store (served by GET /v1/jobs/{id}/model)."""
@@ -379,20 +579,235 @@ class JobScheduler:
         torch.save(self._final, buf)
         self.sink.store.put_artifact(self.job_id, "model.pt", buf.getvalue())
 
-    def _collect_state(self) -> tuple[dict, dict]:
-        """The whole model's state_dict and name-keyed optimizer state, from replica 0."""
-        p = self.spec.parallelism
-        parts = self._gather({(0, s): self.workers[(0, s)].get_state.remote() for s in range(p.pp)},
+    def _collect_state(self, committed: int) -> tuple[dict, dict]:
+        """The whole model's state_dict and name-keyed optimizer state at ``committed`` steps,
+        from replica 0 (in the model's layer order)."""
+        parts = self._gather({(0, s): self.workers[(0, s)].get_state.remote(committed) for s in range(self.cur.pp)},
                              None, self.timeout)
-        model, optim = {}, {"state": {}, "groups": None}
-        for s in range(p.pp):
-            model.update(parts[(0, s)]["model"])
-            optim["state"].update(parts[(0, s)]["optim"]["state"])
-            optim["groups"] = optim["groups"] or parts[(0, s)]["optim"]["groups"]
-        return model, optim
+        merged = _merge_states(parts[(0, s)] for s in range(self.cur.pp))
+        return merged["model"], merged["optim"]
+
+    # ---------------------------------------------------------------- elasticity
+
+    def _take_snapshot(self, committed: int) -> None:
+        """Copy every stage's committed state to this actor's memory, off the workers' nodes,
+        in a thread: the next step does not wait for it."""
+        if self._snap_busy:
+            return
+        self._snap_busy = True
+        refs = [self.workers[(0, s)].snapshot.remote(committed) for s in range(self.cur.pp)]
+
+        def fetch():
+            try:
+                parts = ray.get(refs, timeout=self.timeout)
+                if all(p is not None and p["step"] == committed for p in parts):
+                    self.snap = {"step": committed, **_merge_states(parts)}
+            except Exception:
+                pass  # a worker was lost meanwhile: the previous snapshot stays
+            finally:
+                self._snap_busy = False
+
+        threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True).start()
+
+    def _node_of(self, cell) -> Optional[str]:
+        return self.where.get(cell, {}).get("node")
+
+    def _at_boundary(self, step: int) -> None:
+        """Between steps: move off draining nodes, or grow when nodes joined."""
+        view = self.watch.view
+        draining = {c for c in self.workers if self._node_of(c) in view.draining}
+        if draining:
+            nodes = sorted({self._node_of(c) for c in draining})
+            deadlines = [view.draining[n] for n in nodes if view.draining[n]]
+            left = f", deadline in {min(deadlines) - time.time():.0f} s" if deadlines else ""
+            reason = f"node{'s' if len(nodes) > 1 else ''} {', '.join(n[:12] for n in nodes)} draining{left}"
+            self._reshape(step, reason, keep={c: w for c, w in self.workers.items() if c not in draining},
+                          donors=dict(self.workers), exclude=set(nodes), forced=True, detected=time.time())
+            return
+        self._maybe_scale_up(step, view)
+
+    def _maybe_scale_up(self, step: int, view) -> None:
+        e, res = self.spec.elastic, self.spec.resources
+        if self._incoming is not None:
+            inc = self._incoming
+            ready, _ = ray.wait(inc["ready"], num_returns=len(inc["ready"]), timeout=0)
+            if len(ready) == len(inc["ready"]):
+                self._incoming = None
+                extra = {("new", i): h for i, h in enumerate(inc["handles"])}
+                try:
+                    ray.get(inc["ready"])
+                except Exception:
+                    for h in inc["handles"]:
+                        ray.kill(h)
+                    self._scale_backoff = time.monotonic() + 30
+                    return
+                self._reshape(step, f"{len(extra)} more worker slot{'s' if len(extra) > 1 else ''} joined",
+                              keep={**self.workers, **extra}, donors=dict(self.workers), exclude=set(),
+                              forced=False, detected=inc["detected"])
+            elif time.monotonic() > inc["deadline"]:
+                for h in inc["handles"]:
+                    ray.kill(h)
+                self._incoming = None
+                self._scale_backoff = time.monotonic() + 30
+            return
+        if time.monotonic() < self._scale_backoff or len(self.workers) >= e.max_workers:
+            return
+        free = view.free_slots(res.cpus_per_worker, self.gpus)
+        if free <= 0:
+            return
+        p, spec = self.spec.parallelism, self.spec
+        mem = res.memory_per_worker_mb
+        d = planner.plan(len(self.workers) + free, self.facts, spec.training.global_batch_size,
+                         spec.training.microbatch_size, preferred=(p.dp, p.pp), min_workers=e.min_workers,
+                         max_workers=e.max_workers, schedule=p.schedule, transport=p.transport,
+                         optimizer=spec.optimizer.name, partition_rule=p.partition,
+                         memory_bytes=mem * 2**20 if mem else None, current=(self.cur.dp, self.cur.pp),
+                         min_gain=e.min_gain)
+        if d.wait or (d.shape.dp, d.shape.pp) == (self.cur.dp, self.cur.pp):
+            self._scale_backoff = time.monotonic() + 5  # re-plan when the cluster changes, not every step
+            return
+        k = d.shape.workers - len(self.workers)
+        if k <= 0:
+            return
+        # start the new workers in the background; the reshape happens once they are up
+        spawned = self._spawn([("new", i) for i in range(k)],
+                              names=[f"relaytrain:{self.job_id}:joining-{self.gen}-{i}" for i in range(k)])
+        self._incoming = {"handles": list(spawned.values()), "ready": [h.__ray_ready__.remote() for h in spawned.values()],
+                          "deadline": time.monotonic() + self.start_timeout, "detected": time.time()}
+
+    def _recover(self, step: int, refs: dict, lost: WorkerLost) -> int:
+        """A step failed because workers died: discard it everywhere, re-plan over the slots
+        left and continue from the last committed step (or the newest off-node copy)."""
+        detected = lost.time
+        self._set_state(JobState.RESHAPING)
+        self._event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
+                    detail=lost.failure.detail, step=step + 1)
+        for w in self.workers.values():
+            w.abort.remote(self.gen)
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        pings = {c: self.workers[c].ping.remote() for c in self.workers if c not in lost.lost}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=3.0)
+        alive, stuck = {}, {}
+        for c, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                continue
+            done, _ = ray.wait([refs[c]], timeout=0)
+            (alive if done else stuck)[c] = self.workers[c]
+        dead = set(self.workers) - set(alive) - set(stuck)
+        suspect = {self._node_of(c) for c in dead}
+        self._reshape(step, f"lost {', '.join(f'w{r}.{s}' for r, s in sorted(dead))} "
+                            f"({lost.failure})" if dead else str(lost.failure),
+                      keep=alive, donors={**alive, **stuck}, exclude=suspect, forced=True, detected=detected,
+                      retire=set(stuck) | dead)
+        return self.step
+
+    def _reshape(self, step: int, reason: str, *, keep: dict, donors: dict, exclude: set, forced: bool,
+                 detected: float, retire: set = frozenset()) -> None:
+        """Re-plan and move state.  ``keep``: live workers that may take cells of the new shape;
+        ``donors``: live workers whose committed layers may be copied; the current workers
+        not kept are stopped afterwards."""
+        old = (self.cur.dp, self.cur.pp) if self.cur else None
+        committed = self.step
+        self._set_state(JobState.RESHAPING)
+        held = {layer for c in donors for layer in range(*self.where[c]["layers"]) if c in self.where}
+        lost_layers = set(range(self.facts.layers)) - held
+        copy, copy_layers, steps_lost, restored = None, None, 0, None
+        if lost_layers:
+            copy = self._newest_copy()
+            if copy is None:
+                raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
+                                 "off-node copy (enable elastic.snapshot_every_steps or checkpoint.every_steps)")
+            if copy["step"] == committed:
+                copy_layers, restored = lost_layers, copy["source"]
+            else:  # an older copy: every stage goes back to it so all layers agree
+                steps_lost, restored = committed - copy["step"], copy["source"]
+                committed = copy["step"]
+        shape, why = self._decide(reusable=len(keep), exclude=exclude, current=None if forced else old)
+        if not forced and (shape.dp, shape.pp) == old:
+            for c, h in keep.items():
+                if c not in self.workers:
+                    ray.kill(h)
+            self._set_state(JobState.RUNNING)
+            return
+        assign = self._assign(shape, keep)
+        previous = dict(self.workers)
+        try:
+            self._install(shape, why, assign, committed, copy=copy, donors=donors, copy_layers=copy_layers)
+        except WorkerLost as again:  # lost another worker while moving state: start over
+            raise JobFailure(f"lost workers again while reshaping: {again.failure}") from None
+        for c, h in list(previous.items()) + [(c, h) for c, h in keep.items() if c not in previous]:
+            if h not in self.workers.values():
+                try:
+                    ray.kill(h)
+                except Exception:
+                    pass
+        if steps_lost:
+            with self._lock:
+                self.metrics = [m for m in self.metrics if m["step"] <= committed]
+                self.step = committed
+        self.reshapes += 1
+        self._reshaping = {"reason": reason, "old": old, "new": (shape.dp, shape.pp), "detected": detected,
+                           "steps_lost": steps_lost, "restored_from": restored, "why": why,
+                           "committed": committed}
+
+    def _reshaped(self, committed: int) -> None:
+        """The first step of a new shape committed: record the reshape with its cost."""
+        r, self._reshaping = self._reshaping, None
+        seconds = time.time() - r["detected"]
+        old = f"{r['old'][0]}x{r['old'][1]}" if r["old"] else "none"
+        new = f"{r['new'][0]}x{r['new'][1]}"
+        lost = (f"{r['steps_lost']} steps lost, restored from the {r['restored_from']}" if r["steps_lost"]
+                else f"no step lost{', lost layers restored from the ' + r['restored_from'] if r['restored_from'] else ''}")
+        self._event("reshape", f"reshaped {old} -> {new} after {r['reason']}: step {committed} committed "
+                    f"{seconds:.2f} s after detection; {lost} ({r['why']})",
+                    reason=r["reason"], old_shape=r["old"], new_shape=r["new"], recovery_s=seconds,
+                    steps_lost=r["steps_lost"], restored_from=r["restored_from"], step=committed)
+        with self._lock:
+            if self.metrics:
+                self.metrics[-1]["recovery_s"] = seconds
+        self._set_state(JobState.RUNNING)
+
+    def _newest_copy(self) -> Optional[dict]:
+        """The newest complete off-node copy: the scheduler's snapshot or a checkpoint."""
+        best = None
+        if self.snap is not None:
+            best = {**self.snap, "source": f"snapshot of step {self.snap['step']} in the scheduler's memory"}
+        if self.checkpoint_root:
+            try:
+                state = checkpoint.load(self.checkpoint_root)
+                if best is None or int(state["step"]) > best["step"]:
+                    best = {"step": int(state["step"]), "model": state["model"], "optim": state["optim"],
+                            "source": f"checkpoint {state['path']}"}
+            except FileNotFoundError:
+                pass
+        return best
+
+    def _assign(self, shape: planner.Shape, keep: dict) -> dict:
+        """Give kept workers the cells whose layers they already hold (most overlap first)."""
+        bounds = shape.bounds
+        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        pairs = []
+        for c, h in keep.items():
+            held = set(range(*self.where[c]["layers"])) if c in self.where else set()
+            for (r, s) in cells:
+                overlap = len(held & set(range(*bounds[s])))
+                pairs.append((-overlap, (r, s) != c, (r, s), c))
+        pairs.sort()
+        assign, used = {}, set()
+        for _, _, cell, c in pairs:
+            if cell in assign or c in used:
+                continue
+            assign[cell] = keep[c]
+            used.add(c)
+        return assign
 
     def _teardown(self) -> None:
-        for w in self.workers.values():
+        if self.watch:
+            self.watch.stop()
+        handles = list(self.workers.values()) + (self._incoming["handles"] if self._incoming else [])
+        for w in handles:
             try:
                 ray.kill(w)
             except Exception:

@@ -20,15 +20,25 @@ KINDS = {"act": 0, "grad": 1}
 
 
 class Inbox:
-    """Tensors delivered by other actors, keyed by (step, kind, microbatch)."""
+    """Tensors delivered by other actors, keyed by (step, kind, microbatch), for one
+    configuration generation (late deliveries from an older shape are dropped)."""
 
     def __init__(self):
         self._items: dict[tuple, Any] = {}
         self._cond = threading.Condition()
         self.closed: Optional[str] = None
+        self.gen = 0
 
-    def put(self, key: tuple, value: Any) -> None:
+    def reset(self, gen: int) -> None:
         with self._cond:
+            self._items.clear()
+            self.closed = None
+            self.gen = gen
+
+    def put(self, gen: int, key: tuple, value: Any) -> None:
+        with self._cond:
+            if gen != self.gen:
+                return
             self._items[key] = value
             self._cond.notify_all()
 
@@ -68,13 +78,13 @@ def from_wire(a: np.ndarray, device: torch.device) -> torch.Tensor:
 class ObjectStoreTransport:
     name = "object_store"
 
-    def __init__(self, inbox: Inbox, prev_actor, next_actor, device: torch.device, timeout: float):
+    def __init__(self, inbox: Inbox, prev_actor, next_actor, device: torch.device, timeout: float, gen: int = 0):
         self.inbox, self.prev, self.next = inbox, prev_actor, next_actor
-        self.device, self.timeout = device, timeout
+        self.device, self.timeout, self.gen = device, timeout, gen
 
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
         target = self.next if kind == "act" else self.prev
-        target.deliver.remote(step, kind, mb, to_wire(tensor))
+        target.deliver.remote(self.gen, step, kind, mb, to_wire(tensor))
 
     def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
         return from_wire(self.inbox.take((step, kind, mb), self.timeout), self.device)

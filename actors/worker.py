@@ -4,16 +4,26 @@ It holds its stage's layers and optimizer state, builds its own microbatches fro
 deterministic sample order, and runs a whole step's action list in one call
 (``run_step``): forwards and backwards in the schedule's order, activations and their
 gradients through the transport, then the gradient all-reduce among the replicas of
-its stage, then the optimizer update.
+its stage.
+
+Steps are two-phase.  ``run_step(s)`` leaves step s's summed gradients *pending*; the
+optimizer applies them only once the scheduler has seen every worker finish step s, which
+it says by sending ``run_step(s + 1)`` (or ``commit``, ``export``, ``configure`` with
+``committed = s + 1``).  A step interrupted by a failure is therefore discarded on every
+worker: its pending gradients are dropped and the parameters stay at the last committed
+step.  ``configure`` gives a live worker a new cell (another stage, another replica, another
+shape) without restarting it: layers it already holds stay in memory, the others arrive
+from a surviving replica or an off-node copy through the object store.
 """
 from __future__ import annotations
 
 import os
 import socket
+import threading
 import time
 from collections import OrderedDict
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +31,7 @@ from torch import nn
 
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from service import schedules
-from service.loading import build_loss, build_model, build_optimizer, build_data
+from service.loading import build_data, build_loss, build_model, build_optimizer
 from service.sampling import step_indices
 from service.spec import JobSpec
 
@@ -39,44 +49,204 @@ def load_optimizer_state(opt: torch.optim.Optimizer, names: list[str], saved: di
     opt.load_state_dict({"state": state, "param_groups": [group]})
 
 
+def _clone(v: Any) -> Any:
+    if isinstance(v, torch.Tensor):
+        return v.detach().to("cpu", copy=True)
+    if isinstance(v, dict):
+        return {k: _clone(x) for k, x in v.items()}
+    return v
+
+
+def layer_of(name: str) -> int:
+    """The layer index of a state key of the whole model ('3.0.weight' -> 3)."""
+    return int(name.split(".", 1)[0])
+
+
+class StageAborted(RuntimeError):
+    """The scheduler discarded the step this worker was running (a peer was lost)."""
+
+
 class StageWorker:
-    def __init__(self, job_id: str, spec: dict, dp_rank: int, pp_rank: int, dp: int, pp: int,
-                 bounds: list[tuple[int, int]], boundary: list[tuple], search: list[str],
-                 schedule: str, timeout: float = 300.0):
-        self.job_id, self.dp_rank, self.pp_rank, self.dp, self.pp = job_id, dp_rank, pp_rank, dp, pp
+    def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
+        self.job_id = job_id
         self.spec = JobSpec.model_validate(spec)
+        self.search = [os.getcwd(), *search]
         self.timeout = timeout
-        threads = max(1, int(self.spec.resources.cpus_per_worker))
-        torch.set_num_threads(threads)
+        torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
         gpus = self.spec.resources.gpus_per_worker or 0
         self.device = torch.device("cuda") if gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
-        search = [os.getcwd(), *search]
-        model = build_model(self.spec, search)
-        lo, hi = bounds[pp_rank]
-        children = list(model.named_children())[lo:hi]
-        self.stage = nn.Sequential(OrderedDict(children)).to(self.device)
-        del model
-        self.param_names = [n for n, _ in self.stage.named_parameters()]
-        self.optimizer = build_optimizer(self.spec, self.stage.parameters())
-        self.first, self.last = pp_rank == 0, pp_rank == pp - 1
-        self.samples = build_data(self.spec, search) if (self.first or self.last) else None
-        self.loss_fn = build_loss(self.spec, search) if self.last else None
         t = self.spec.training
         self.mbs, self.B = t.microbatch_size, t.global_batch_size
-        m = self.spec.microbatches // dp
-        self.mb0 = dp_rank * m
-        self.actions = schedules.build(schedule, pp, m).order[pp_rank]
-        # (shape, dtype) of the activation entering this stage and of the one leaving it
-        self.in_meta = boundary[pp_rank - 1] if pp_rank > 0 else None
-        self.out_meta = boundary[pp_rank] if pp_rank < pp - 1 else None
+        self.dp_rank = self.pp_rank = None
+        self.dp = self.pp = 0
+        self.layers: dict[int, nn.Module] = {}   # layer index of the whole model -> module held here
+        self.stage = nn.Sequential()
+        self.param_names: list[str] = []
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.applied = 0                 # committed steps whose updates are in the parameters
+        self.pending: Optional[int] = None  # 0-based step whose summed gradients wait for its commit
+        self.gen = -1                    # the scheduler's configuration generation
+        self.samples = None
+        self.loss_fn = None
+        self.actions: list = []
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
+        self._lock = threading.RLock()   # commits, state copies and reconfiguration
+        self._child_names: Optional[list[str]] = None
+        self._aborted: Optional[int] = None
 
     def __repr__(self) -> str:
         return f"relaytrain:{self.job_id}:w{self.dp_rank}.{self.pp_rank}"
 
+    # ---------------------------------------------------------------- commits
+
+    def _settle(self, committed: int) -> None:
+        """Bring the parameters to ``committed`` steps: apply the pending update if its step
+        is committed, drop it otherwise (a discarded step)."""
+        if self.pending is not None and self.optimizer is not None:
+            if self.pending == committed - 1:
+                self.optimizer.step()
+                self.applied = committed
+            self.pending = None
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+
+    def commit(self, committed: int) -> int:
+        with self._lock:
+            self._settle(committed)
+            return self.applied
+
+    def _state(self, layers: Optional[set[int]] = None) -> dict:
+        names = self.param_names
+        opt = optimizer_state_by_name(self.optimizer, names) if self.optimizer else {"state": {}, "groups": None}
+        keep = (lambda n: True) if layers is None else (lambda n: layer_of(n) in layers)
+        return {"step": self.applied,
+                "model": {k: _clone(v) for k, v in self.stage.state_dict().items() if keep(k)},
+                "optim": {"state": {k: _clone(v) for k, v in opt["state"].items() if keep(k)},
+                          "groups": opt["groups"]}}
+
+    def export(self, layers: list[int], committed: int) -> dict:
+        """Committed parameters and optimizer state of ``layers`` (for another worker)."""
+        with self._lock:
+            if self.pending == committed - 1:
+                self._settle(committed)
+            if self.applied != committed:
+                raise RuntimeError(f"{self!r} holds step {self.applied}, not the committed step {committed}")
+            return self._state(set(layers))
+
+    def snapshot(self, committed: int) -> Optional[dict]:
+        """A copy of this stage's committed state, or None if the worker has moved on."""
+        with self._lock:
+            if self.pending == committed - 1:
+                self._settle(committed)
+            return self._state() if self.applied == committed else None
+
+    def get_state(self, committed: Optional[int] = None) -> dict:
+        with self._lock:
+            if committed is not None:
+                self._settle(committed)
+            return self._state()
+
+    def load_state(self, state: dict) -> bool:
+        with self._lock:
+            own = self.stage.state_dict()
+            self.stage.load_state_dict({k: state["model"][k] for k in own})
+            if state.get("optim") and state["optim"].get("groups"):
+                load_optimizer_state(self.optimizer, self.param_names, state["optim"])
+            self.applied = int(state.get("step", self.applied))
+            self.pending = None
+            return True
+
     # ---------------------------------------------------------------- wiring
+
+    def node_id(self) -> str:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+
+    def ping(self) -> bool:
+        return True
+
+    def configure(self, cell: dict, sources: list) -> dict:
+        """Take the cell ``cell`` of a (new) shape at ``cell['committed']`` steps.
+
+        ``sources`` are object refs (or dicts) of {model, optim} state for layers this worker
+        does not hold; they override anything held.  At step 0 a layer may also be built
+        from the seeded model."""
+        import ray
+
+        with self._lock:
+            committed = cell["committed"]
+            self._settle(committed)
+            incoming: dict = {"model": {}, "optim": {"state": {}, "groups": None}}
+            for src in sources:
+                part = ray.get(src, timeout=self.timeout) if isinstance(src, ray.ObjectRef) else src
+                incoming["model"].update(part["model"])
+                incoming["optim"]["state"].update(part["optim"]["state"])
+                incoming["optim"]["groups"] = incoming["optim"]["groups"] or part["optim"]["groups"]
+            dp, pp, r, s = cell["dp"], cell["pp"], cell["dp_rank"], cell["pp_rank"]
+            lo, hi = cell["bounds"][s]
+            old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
+            covered = {layer_of(k) for k in incoming["model"]}
+            full = None
+            layers = {}
+            for i in range(lo, hi):
+                if i in self.layers:
+                    if self.applied != committed and i not in covered:
+                        raise RuntimeError(f"{self!r} holds layer {i} at step {self.applied}, not at the "
+                                           f"committed step {committed}, and no copy was sent")
+                    layers[i] = self.layers[i]
+                    continue
+                if full is None:
+                    full = self._build_model()
+                if i not in covered and committed > 0:
+                    raise RuntimeError(f"{self!r} got no copy of layer {i} at step {committed}")
+                layers[i] = full[i].to(self.device)
+            if self._child_names is None:
+                self._build_model()
+            self.layers = layers
+            self.stage = nn.Sequential(OrderedDict((self._child_names[i], layers[i]) for i in range(lo, hi)))
+            if incoming["model"]:
+                mine = self.stage.state_dict()
+                with torch.no_grad():
+                    for k, v in incoming["model"].items():
+                        if k in mine:
+                            mine[k].copy_(v.to(self.device))
+            self.param_names = [n for n, _ in self.stage.named_parameters()]
+            self.optimizer = build_optimizer(self.spec, self.stage.parameters())
+            state = dict((old_optim or {}).get("state", {}))
+            state.update(incoming["optim"]["state"])
+            groups = incoming["optim"]["groups"] or (old_optim or {}).get("groups")
+            if groups and any(n in state for n in self.param_names):
+                load_optimizer_state(self.optimizer, self.param_names, {"state": state, "groups": groups})
+            self.applied, self.pending = committed, None
+            self.dp_rank, self.pp_rank, self.dp, self.pp = r, s, dp, pp
+            self.first, self.last = s == 0, s == pp - 1
+            if (self.first or self.last) and self.samples is None:
+                self.samples = build_data(self.spec, self.search)
+            if self.last and self.loss_fn is None:
+                self.loss_fn = build_loss(self.spec, self.search)
+            m = self.spec.microbatches // dp
+            self.mb0 = r * m
+            self.actions = schedules.build(cell["schedule"], pp, m).order[s]
+            boundary = cell["boundary"]
+            self.in_meta = tuple(boundary[s - 1]) if s > 0 else None
+            self.out_meta = tuple(boundary[s]) if s < pp - 1 else None
+            if self.in_meta:
+                self.in_meta = (tuple(self.in_meta[0]), self.in_meta[1])
+            if self.out_meta:
+                self.out_meta = (tuple(self.out_meta[0]), self.out_meta[1])
+            self.gen = cell["gen"]
+            self.inbox.reset(self.gen)
+            self.transport = None
+            self._aborted = None
+            return {"node": self.node_id(), "pid": os.getpid(), "layers": [lo, hi]}
+
+    def _build_model(self) -> nn.Sequential:
+        full = build_model(self.spec, self.search)
+        self._child_names = [n for n, _ in full.named_children()]
+        return full
 
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
@@ -87,11 +257,10 @@ class StageWorker:
         return ray.util.get_node_ip_address(), port
 
     def connect(self, transport: str, neighbours: tuple, rdzv: Optional[tuple], world: int) -> bool:
-        """Join the job's process group (when one is needed) and set up the transport."""
+        """Join the shape's process group (when one is needed) and set up the transport."""
         rank = self.dp_rank * self.pp + self.pp_rank
+        self._leave_group()
         if rdzv is not None:
-            if dist.is_initialized():
-                dist.destroy_process_group()
             backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"tcp://{rdzv[0]}:{rdzv[1]}", world_size=world,
                                     rank=rank, timeout=timedelta(seconds=self.timeout))
@@ -105,11 +274,27 @@ class StageWorker:
                                                  None if self.last else rank + 1, self.device)
         else:
             prev_actor, next_actor = neighbours
-            self.transport = ObjectStoreTransport(self.inbox, prev_actor, next_actor, self.device, self.timeout)
+            self.transport = ObjectStoreTransport(self.inbox, prev_actor, next_actor, self.device, self.timeout,
+                                                  self.gen)
         return True
 
-    def deliver(self, step: int, kind: str, mb: int, array) -> None:
-        self.inbox.put((step, kind, mb), array)
+    def _leave_group(self) -> None:
+        self.stage_group = None
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+    def deliver(self, gen: int, step: int, kind: str, mb: int, array) -> None:
+        self.inbox.put(gen, (step, kind, mb), array)
+
+    def abort(self, gen: int, reason: str = "the step was discarded: a peer was lost") -> bool:
+        """Wake this worker's step from any wait on its peers (another thread calls this)."""
+        if gen == self.gen:
+            self._aborted = gen
+            self.inbox.close(reason)
+        return True
 
     # ---------------------------------------------------------------- one step
 
@@ -124,7 +309,21 @@ class StageWorker:
         return xs, ys
 
     def run_step(self, step: int) -> dict:
-        """Run this worker's actions for ``step`` (0-based), all-reduce, update."""
+        """Run this worker's actions for ``step`` (0-based; steps before it are committed),
+        all-reduce the gradients, and leave the update pending until step is committed."""
+        with self._lock:
+            self._settle(step)
+            if self.applied != step:
+                raise RuntimeError(f"{self!r} is at step {self.applied} but was asked to run step {step + 1}")
+        try:
+            return self._run_step(step)
+        except BaseException:
+            self.pending = None
+            # peers may wait on us: close our side of the group so they fail fast too
+            self._leave_group()
+            raise
+
+    def _run_step(self, step: int) -> dict:
         self.inbox.drop_before(step)
         xs, ys = self._my_batch(step) if (self.first or self.last) else (None, None)
         scale = self.mbs / self.B
@@ -171,8 +370,9 @@ class StageWorker:
         t_pipe = time.time()
         if self.stage_group is not None:
             self._allreduce_grads()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        if self._aborted is not None:
+            raise StageAborted(f"{self!r}: step {step + 1} was discarded")
+        self.pending = step
         t_end = time.time()
         return {"dp_rank": self.dp_rank, "pp_rank": self.pp_rank, "loss": float(loss_sum) if self.last else None,
                 "busy": busy, "start": timeline[0][1] if timeline else t_begin, "pipe_end": t_pipe,
@@ -192,20 +392,6 @@ class StageWorker:
             p.grad = flat[off:off + n].view_as(p)
             off += n
 
-    # ---------------------------------------------------------------- state
-
-    def get_state(self) -> dict:
-        return {"model": {k: v.detach().cpu() for k, v in self.stage.state_dict().items()},
-                "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
-
-    def load_state(self, state: dict) -> bool:
-        own = self.stage.state_dict()
-        self.stage.load_state_dict({k: state["model"][k] for k in own})
-        if state.get("optim"):
-            load_optimizer_state(self.optimizer, self.param_names, state["optim"])
-        return True
-
     def shutdown(self) -> None:
         self.inbox.close("the job is stopping")
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        self._leave_group()

@@ -16,7 +16,7 @@ from typing import Optional
 
 from service import packages
 from service.loading import check_structure
-from service.runner import check_fits
+from service.runner import check_fits, scheduler_placement
 from service.settings import Settings
 from service.spec import JobSpec, SpecError
 from service.states import JobState
@@ -176,7 +176,7 @@ class JobManager:
                 ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
             actor = ray.remote(JobScheduler).options(
                 name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                max_concurrency=4, runtime_env=env or None,
+                max_concurrency=4, runtime_env=env or None, scheduling_strategy=scheduler_placement(),
             ).remote(job["id"], job["spec"], [],
                      checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
                      start_timeout=self.settings.start_timeout_s, store_url=self.store.url,

@@ -71,6 +71,18 @@ def _connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bo
     return True
 
 
+def scheduler_placement():
+    """Keep a job's scheduler on this node (the head, usually): it holds the off-node copy of
+    the workers' state, so it must not share a worker node's fate."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
+    except Exception:  # a Ray Client connection has no node of its own
+        return None
+
+
 def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:
     """Refuse a job that this cluster can never hold: against its resources now, or against
     the ceiling an autoscaler can grow it to (``max_cpus``/``max_gpus``) when given."""
@@ -81,7 +93,8 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
         res["CPU"] = max(res.get("CPU", 0), max_cpus)
     if max_gpus is not None:
         res["GPU"] = max(res.get("GPU", 0), max_gpus)
-    workers = spec.parallelism.dp * spec.parallelism.pp
+    # an elastic job starts as soon as its smallest shape fits
+    workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
     need_cpu = workers * spec.resources.cpus_per_worker
     if need_cpu > res.get("CPU", 0):
         raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "
@@ -149,6 +162,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         check_fits(spec)
         sched = ray.remote(JobScheduler).options(
             name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
+            scheduling_strategy=scheduler_placement(),
             runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
         ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout,
                  store_url=store.url if store else None)
