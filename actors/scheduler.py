@@ -186,6 +186,8 @@ class JobScheduler:
         self._scale_backoff = 0.0
         self._reshaping: Optional[dict] = None           # the reshape whose first committed step is awaited
         self.reshapes = 0
+        self._high = 0                                   # the highest step ever committed
+        self._suspect: set[str] = set()                  # nodes that lost workers, until Ray marks them dead
         self._final: Optional[dict] = None
         self.timelines: collections.deque = collections.deque(maxlen=16)  # recent steps only
         self._cancel = threading.Event()
@@ -304,9 +306,16 @@ class JobScheduler:
         t = spec.training
         idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
         x, _ = samples.batch(idx)
-        self._profiled = self.elastic or (p.partition == "balanced" and p.pp > 1)
-        seconds = (partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
-                   if self._profiled else [0.0] * len(model))
+        self._profiled = self.elastic or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
+        if p.layer_costs_ms:
+            if len(p.layer_costs_ms) != len(model):
+                raise SpecError(f"parallelism.layer_costs_ms lists {len(p.layer_costs_ms)} costs but the model has "
+                                f"{len(model)} layers; give one cost per entry of its nn.Sequential")
+            seconds = [c / 1000.0 for c in p.layer_costs_ms]
+        elif self._profiled:
+            seconds = partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
+        else:
+            seconds = [0.0] * len(model)
         metas, act_bytes = [], []
         with torch.no_grad():
             h = x
@@ -341,7 +350,8 @@ class JobScheduler:
         waited = False
         while True:
             view = self.watch.refresh()
-            slots = reusable + view.free_slots(spec.resources.cpus_per_worker, self.gpus, exclude)
+            self._suspect &= view.alive
+            slots = reusable + view.free_slots(spec.resources.cpus_per_worker, self.gpus, exclude | self._suspect)
             d = planner.plan(slots, self.facts, spec.training.global_batch_size, spec.training.microbatch_size,
                              preferred=(p.dp, p.pp), min_workers=e.min_workers, max_workers=e.max_workers,
                              schedule=p.schedule, transport=p.transport, optimizer=spec.optimizer.name,
@@ -448,7 +458,12 @@ class JobScheduler:
                     sources.append(donor.export.remote(layers, committed))
             cell = {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp,
                     "bounds": bounds, "boundary": boundary, "schedule": p.schedule, "committed": committed}
-            calls[(r, s)] = h.configure.remote(cell, sources)
+            calls[(r, s)] = (h, cell, sources)
+        # every copy is taken before any donor reconfigures (and drops layers it no longer keeps)
+        exports = [src for _, _, sources in calls.values() for src in sources]
+        if exports:  # (a failed copy surfaces in the configure call that reads it)
+            ray.wait(exports, num_returns=len(exports), timeout=self.start_timeout, fetch_local=False)
+        calls = {c: h.configure.remote(cell, sources) for c, (h, cell, sources) in calls.items()}
         infos = self._gather(calls, None, self.start_timeout)
         self.workers = dict(assign)
         self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
@@ -542,6 +557,7 @@ class JobScheduler:
                     f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())}})
                 self.metrics.append(row)
                 self.step = step + 1
+                self._high = max(self._high, self.step)
             if self.sink:
                 self.sink.write(metrics=[row])
             if self._reshaping:
@@ -569,7 +585,8 @@ class JobScheduler:
                 "step_time_s": wall, "dp": dp, "pp": pp,
                 "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
                 "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
-                "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": self.reshapes}
+                "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": self.reshapes,
+                **({"rerun": True} if step + 1 <= self._high else {})}
 
     def _save_model(self) -> None:
         """The trained state_dict into the job store (served by GET /v1/jobs/{id}/model)."""
@@ -652,7 +669,8 @@ class JobScheduler:
             return
         if time.monotonic() < self._scale_backoff or len(self.workers) >= e.max_workers:
             return
-        free = view.free_slots(res.cpus_per_worker, self.gpus)
+        self._suspect &= view.alive  # a node that lost workers counts again once Ray marked it dead
+        free = view.free_slots(res.cpus_per_worker, self.gpus, self._suspect)
         if free <= 0:
             return
         p, spec = self.spec.parallelism, self.spec
@@ -697,6 +715,7 @@ class JobScheduler:
             (alive if done else stuck)[c] = self.workers[c]
         dead = set(self.workers) - set(alive) - set(stuck)
         suspect = {self._node_of(c) for c in dead}
+        self._suspect |= suspect
         self._reshape(step, f"lost {', '.join(f'w{r}.{s}' for r, s in sorted(dead))} "
                             f"({lost.failure})" if dead else str(lost.failure),
                       keep=alive, donors={**alive, **stuck}, exclude=suspect, forced=True, detected=detected,
@@ -743,12 +762,11 @@ class JobScheduler:
                     ray.kill(h)
                 except Exception:
                     pass
-        if steps_lost:
+        if steps_lost:  # the rows of the lost steps stay; their re-runs come again, marked rerun
             with self._lock:
-                self.metrics = [m for m in self.metrics if m["step"] <= committed]
                 self.step = committed
         self.reshapes += 1
-        self._reshaping = {"reason": reason, "old": old, "new": (shape.dp, shape.pp), "detected": detected,
+        self._reshaping = {"reason": reason, "old": list(old) if old else None, "new": [shape.dp, shape.pp], "detected": detected,
                            "steps_lost": steps_lost, "restored_from": restored, "why": why,
                            "committed": committed}
 

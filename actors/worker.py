@@ -22,13 +22,13 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from actors.collectives import Group
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from service import schedules
 from service.loading import build_data, build_loss, build_model, build_optimizer
@@ -92,6 +92,7 @@ class StageWorker:
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
+        self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self._child_names: Optional[list[str]] = None
         self._aborted: Optional[int] = None
@@ -262,11 +263,10 @@ class StageWorker:
         self._leave_group()
         if rdzv is not None:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, init_method=f"tcp://{rdzv[0]}:{rdzv[1]}", world_size=world,
-                                    rank=rank, timeout=timedelta(seconds=self.timeout))
+            self.group.init(backend, rdzv[0], rdzv[1], rank, world, self.timeout)
             if self.dp > 1:
                 for s in range(self.pp):  # every rank creates every group, in the same order
-                    g = dist.new_group([r * self.pp + s for r in range(self.dp)])
+                    g = self.group.new_group([r * self.pp + s for r in range(self.dp)])
                     if s == self.pp_rank:
                         self.stage_group = g
         if transport == "collective":
@@ -280,11 +280,9 @@ class StageWorker:
 
     def _leave_group(self) -> None:
         self.stage_group = None
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+        if self.transport is not None and hasattr(self.transport, "_pending"):
+            self.transport._pending.clear()  # pending sends hold the old group
+        self.group.leave()
 
     def deliver(self, gen: int, step: int, kind: str, mb: int, array) -> None:
         self.inbox.put(gen, (step, kind, mb), array)
@@ -294,6 +292,7 @@ class StageWorker:
         if gen == self.gen:
             self._aborted = gen
             self.inbox.close(reason)
+            self.group.abort()  # a step blocked in gloo fails at once, and so do its peers
         return True
 
     # ---------------------------------------------------------------- one step

@@ -14,8 +14,12 @@ node that hosts a train worker, and the recovery time is
     (wall time of the first step committed by the *restarted* worker group whose index
      is greater than any step committed before) - (time of cluster.remove_node call)
 
-After each recovery a replacement node is added and the driver waits until the group
-is back at full size (Ray's elastic upscale) before the next removal.
+After each recovery a replacement node is added and the driver waits for
+`steps_between` more committed steps before the next removal. By default the running
+group is not upsized onto the replacement (that would be one more full restart, ~30 s
+here, that could land inside the next measurement); Ray still uses it at the next
+failure restart, which sizes the group to what is available. --upscale instead lets
+Ray upsize (elastic_resize_monitor_interval_s=2) and waits for full size each time.
 
 Prints the figures and writes bench/results/raytrain_recovery.json.
 """
@@ -209,9 +213,11 @@ def _wait(pred, timeout: float, poll: float = 0.05):
 
 def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers: int = 3,
                      min_workers: int = 1, step_sleep_s: float = 0.05,
-                     global_batch: int = 64, resize_monitor_interval_s: float = 2.0,
+                     global_batch: int = 64, upscale: bool = False,
+                     resize_monitor_interval_s: Optional[float] = None,
                      health_check_interval_s: Optional[float] = 0.25,
-                     graceful: bool = False, recovery_timeout_s: float = 90.0,
+                     worker_group_start_timeout_s: Optional[float] = 20.0,
+                     graceful: bool = False, recovery_timeout_s: float = 150.0,
                      upscale_timeout_s: float = 60.0, verbose: bool = True,
                      ray_logs: bool = False) -> dict:
     """Remove a worker node `removals` times and time each recovery.
@@ -219,7 +225,11 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
     health_check_interval_s sets RAY_TRAIN_HEALTH_CHECK_INTERVAL_S (Ray default 2.0 s;
     None keeps the default). It is the controller's poll period, and since each
     worker's result queue holds one report, it also caps report()-per-step training at
-    one step per poll. The removal targets rotate over ranks world-1, ..., 1, 0.
+    one step per poll. worker_group_start_timeout_s sets
+    RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S (Ray default 60 s; None keeps it): after a
+    node loss the elastic policy first retries at the old size (its view of the cluster
+    comes from the AutoscalingCoordinator, refreshed every 20 s), and that placement
+    group can only time out. The removal targets rotate over ranks world-1, ..., 1, 0.
 
     Returns {"recoveries_s", "median_s", "worst_s", "notes", "details"}.
     """
@@ -237,7 +247,13 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
     if health_check_interval_s is not None:
         # Inherited by the raylets (started below) and so by controller and workers.
         os.environ["RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"] = str(health_check_interval_s)
+    if worker_group_start_timeout_s is not None:
+        os.environ["RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"] = str(
+            worker_group_start_timeout_s)
     hc = float(os.environ.get("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "2.0"))
+    st = float(os.environ.get("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "60"))
+    if resize_monitor_interval_s is None:
+        resize_monitor_interval_s = 2.0 if upscale else 1e9  # 1e9: never upsize a live group
     scratch = Path(tempfile.mkdtemp(prefix="rt_recovery_", dir=_scratch_root()))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     fit_out: Dict[str, Any] = {}
@@ -346,15 +362,23 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
                 "restarts": len(s2["attempts"]) - n_attempts,
                 "world_size_after": first_new["world_size"],
                 "restart_started_after_s": round(att["t"] - t_remove, 3),
+                "_t_remove": t_remove, "_t_first_new": first_new["t"],
             }
             details.append(d)
             log(f"  recovered in {rec_s:.2f}s: world_size {d['world_size_after']}, resumed "
                 f"at step {d['resumed_from_step']} (re-ran {d['steps_rerun']}), group "
                 f"restarted {d['restarts']}x, new group up after {d['restart_started_after_s']}s")
 
-            # Replacement capacity, then wait for Ray's elastic upscale back to full size.
+            # Replacement capacity; then steps must continue (and, with upscale, the
+            # group must be back at full size) before the next removal.
             t_add = time.time()
             cluster.add_node(num_cpus=1)
+            if not upscale:
+                _wait(lambda: (lambda c: c and c[-1]["step"] >= first_new["step"]
+                               + steps_between)(snap()["commits"]), 60)
+                log(f"  replacement added; training continued to step "
+                    f"{snap()['commits'][-1]['step']}")
+                continue
             s3 = _wait(lambda: full_and_past(first_new["step"] + steps_between),
                        upscale_timeout_s)
             if s3 is None:
@@ -370,6 +394,7 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
                     f"(group restarted {d['upscale_restart_s']}s after add_node), "
                     f"step {s3['commits'][-1]['step']}")
     finally:
+        controller_log = _controller_log_path()
         if rec is not None:
             try:
                 ray.get(rec.set_stop.remote(), timeout=10)
@@ -388,6 +413,10 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
         cluster.shutdown()
         shutil.rmtree(scratch, ignore_errors=True)
 
+    events = _controller_events(controller_log)
+    for d in details:
+        lo, hi = d.pop("_t_remove"), d.pop("_t_first_new")
+        d["controller_events"] = [f"+{t - lo:.1f}s {e}" for t, e in events if lo <= t <= hi]
     recs = [d["recovery_s"] for d in details]
     elapsed = time.time() - t0
     rerun = [d["steps_rerun"] for d in details]
@@ -395,14 +424,18 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
         f"Ray {ray.__version__} Train v2 TorchTrainer, ScalingConfig(num_workers=("
         f"{min_workers}, {num_workers}), elastic_resize_monitor_interval_s="
         f"{resize_monitor_interval_s}), FailureConfig(max_failures=-1), "
-        f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={hc} (Ray default 2.0); Cluster head "
+        f"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S={hc} (Ray default 2.0), "
+        f"RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S={st} (Ray default 60); Cluster head "
         f"num_cpus=0 + {num_workers} x 1-CPU nodes, remove_node(allow_graceful={graceful}). "
         f"MLP 64->128x3->10, global batch {global_batch}, {step_sleep_s * 1000:.0f} ms "
         f"sleep/step, checkpoint every step (rank 0). Recovery = first step committed by "
         f"the restarted group with index > old max - remove_node() call time. On node loss "
         f"Ray Train tore down the whole worker group and restarted it from the latest "
-        f"registered checkpoint (steps re-run per removal: {rerun}); the replacement node "
-        f"was only used after a second full restart (elastic upscale). "
+        f"registered checkpoint (steps re-run per removal: {rerun}); it first retried at "
+        f"the old size (its cluster view comes from the AutoscalingCoordinator, refreshed "
+        f"every 20 s) until that placement group timed out; start timeouts per removal: "
+        f"{[sum('timed out' in e for e in d['controller_events']) for d in details]}. "
+        f"Upscale onto replacements: {'on (a further full restart)' if upscale else 'off; used at the next failure restart'}. "
         f"fit() ended with: {fit_out.get('error') or 'clean stop'}. Total {elapsed:.0f}s."
     )
     out = {
@@ -414,6 +447,39 @@ def measure_raytrain(removals: int = 3, steps_between: int = 15, *, num_workers:
         "final_step": (final["commits"][-1]["step"] if final and final["commits"] else None),
         "worker_group_starts": (len(final["attempts"]) if final else None),
     }
+    return out
+
+
+def _controller_log_path() -> Optional[str]:
+    try:
+        import glob
+
+        logs = os.path.join(ray._private.worker._global_node.get_session_dir_path(), "logs")
+        found = glob.glob(os.path.join(logs, "train", "ray-train-sys-controller-*.log"))
+        return max(found, key=os.path.getmtime) if found else None
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _controller_events(path: Optional[str]) -> List[tuple]:
+    """(epoch seconds, summary) of the Train controller's restart-related log lines."""
+    out: List[tuple] = []
+    if not path or not os.path.exists(path):
+        return out
+    keys = ("FailurePolicy", "timed out", "Attempting to start", "Started training",
+            "Deciding to", "Worker group startup completed")
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            msg = rec.get("message", "")
+            if not any(k in msg for k in keys):
+                continue
+            ts, ms = rec["asctime"].split(",")
+            t = time.mktime(time.strptime(ts, "%Y-%m-%d %H:%M:%S")) + int(ms) / 1000
+            out.append((t, " ".join(x.strip() for x in msg.split("\n")[:2])[:110]))
     return out
 
 
@@ -433,6 +499,10 @@ def main(argv=None) -> int:
                     help="remove_node(allow_graceful=True) instead of SIGKILL")
     ap.add_argument("--health-check-interval", type=float, default=0.25,
                     help="RAY_TRAIN_HEALTH_CHECK_INTERVAL_S; <=0 keeps Ray's 2.0 s")
+    ap.add_argument("--start-timeout", type=float, default=20.0,
+                    help="RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S; <=0 keeps Ray's 60 s")
+    ap.add_argument("--upscale", action="store_true",
+                    help="let Ray upsize onto each replacement and wait for full size")
     ap.add_argument("--ray-logs", action="store_true", help="forward worker logs")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args(argv)
@@ -442,13 +512,18 @@ def main(argv=None) -> int:
                            health_check_interval_s=(args.health_check_interval
                                                     if args.health_check_interval > 0
                                                     else None),
-                           ray_logs=args.ray_logs)
+                           worker_group_start_timeout_s=(args.start_timeout
+                                                         if args.start_timeout > 0
+                                                         else None),
+                           upscale=args.upscale, ray_logs=args.ray_logs)
     print()
     print("Ray Train elastic recovery (node removal -> next committed new step)")
     for d in res["details"]:
         print(f"  removal {d['removal']}: {d['recovery_s']:.2f} s  (resumed at step "
               f"{d['resumed_from_step']}, re-ran {d['steps_rerun']}, "
               f"world size {d['world_size_after']})")
+        for e in d["controller_events"]:
+            print(f"      {e}")
     print(f"  median {res['median_s']} s, worst {res['worst_s']} s")
     print(f"  notes: {res['notes']}")
     out = Path(args.out)

@@ -190,6 +190,10 @@ def _check_model(spec: JobSpec, model: nn.Sequential) -> None:
     if isinstance(part, list) and sum(part) != layers:
         raise SpecError(f"parallelism.partition {part} covers {sum(part)} layers but the model has {layers}; "
                         "the counts must add up to the number of layers")
+    costs = spec.parallelism.layer_costs_ms
+    if costs is not None and len(costs) != layers:
+        raise SpecError(f"parallelism.layer_costs_ms lists {len(costs)} costs but the model has {layers} layers; "
+                        "give one cost per entry of its nn.Sequential")
     build_optimizer(spec, [nn.Parameter(torch.zeros(1))])
 
 

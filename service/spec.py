@@ -117,6 +117,9 @@ class ParallelismSpec(_Strict):
         "object_store", description="how activations move between stages: Ray objects, or send/recv (gloo/NCCL)")
     partition: Union[Literal["balanced", "uniform"], list[int]] = Field(
         "balanced", description="'balanced' by measured layer cost, 'uniform' layer counts, or explicit layer counts")
+    layer_costs_ms: Optional[list[float]] = Field(
+        None, description="forward+backward milliseconds of one microbatch per layer on a worker; given, they replace "
+                          "the scheduler's profile (which runs on its CPU) for partitions and the elastic planner")
 
     @model_validator(mode="after")
     def _partition(self):
@@ -126,6 +129,8 @@ class ParallelismSpec(_Strict):
                                  "give one layer count per stage")
             if any(n < 1 for n in self.partition):
                 raise ValueError("parallelism.partition: every stage needs at least 1 layer")
+        if self.layer_costs_ms is not None and (not self.layer_costs_ms or min(self.layer_costs_ms) < 0):
+            raise ValueError("parallelism.layer_costs_ms: give one non-negative cost per layer")
         return self
 
 

@@ -13,12 +13,19 @@ os.environ["RELAYTRAIN_HOME"] = tempfile.mkdtemp(prefix="relaytrain-home-")
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 
 
+def restart_session_ray():
+    """The session's local Ray: 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 fit."""
+    import ray
+
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
+             namespace="relaytrain-tests")
+    return ray
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
 
-    # 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 shapes fit
-    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
-             namespace="relaytrain-tests")
+    restart_session_ray()
     yield ray
     ray.shutdown()

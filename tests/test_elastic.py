@@ -1,0 +1,269 @@
+"""Elasticity on a simulated multi-node cluster (ray.cluster_utils.Cluster): a head with no
+CPUs and 1-CPU worker nodes.  Nodes are removed, added and drained while a job trains; the
+job must finish with every step committed once and the parameters of a plain PyTorch run."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from service.runner import JobFailed, run_job
+from service.spec import parse_spec
+from tests import reference
+from tests.test_engine import assert_same_params
+
+STEPS = 40
+
+
+def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, **elastic):
+    return parse_spec({
+        "name": name,
+        # 6 hidden layers of 64 KiB between a light input and a light head; with momentum SGD a worker needs ~3x its
+        # parameters
+        "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 7}},
+        "data": {"kind": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},  # Adam magnifies summation-order noise (README)
+        "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 3},
+        # the planner's costs are declared, not profiled: its choices do not depend on a noisy CPU
+        "parallelism": {"dp": dp, "pp": pp, "transport": transport,
+                        "layer_costs_ms": [0.1, 10, 10, 10, 10, 10, 10, 0.1]},
+        # the whole model (~1.25 MB with gradients and momentum) does not fit one worker, half of it does:
+        # every shape has at least two stages
+        "resources": {"memory_per_worker_mb": 1.0},
+        "elastic": {"enabled": True, "min_workers": 1, "max_workers": 4, **elastic},
+    })
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    """One simulated cluster for the module; each test starts with WORKERS alive 1-CPU nodes."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from tests.conftest import restart_session_ray
+
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    if was_up:
+        restart_session_ray()
+
+
+def with_nodes(cluster, n):
+    import ray
+
+    workers = [node for node in cluster.worker_nodes]
+    while len(workers) < n:
+        workers.append(cluster.add_node(num_cpus=1))
+    for node in workers[n:]:
+        cluster.remove_node(node)
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + 30
+    while ray.cluster_resources().get("CPU", 0) != n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.cluster_resources().get("CPU", 0) == n
+
+
+class Job:
+    """run_job in a thread, with a view of its scheduler for the test to act on."""
+
+    def __init__(self, spec, tmp_path):
+        self.spec, self.out = spec, str(tmp_path)
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.sched = self._find_scheduler()
+
+    def _run(self):
+        try:
+            self.result = run_job(spec=self.spec, out=self.out, progress=False, timeout=60, record=False)
+        except BaseException as e:  # noqa: BLE001 - the test reads it
+            self.error = e
+
+    def _find_scheduler(self):
+        import ray
+
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for a in ray.util.list_named_actors(all_namespaces=True):
+                if a["name"].startswith(f"relaytrain:{self.spec.name}-") and a["name"].endswith(":scheduler"):
+                    return ray.get_actor(a["name"], namespace=a["namespace"])
+            time.sleep(0.1)
+        raise AssertionError(f"no scheduler started (error: {self.error})")
+
+    def poll(self):
+        import ray
+
+        return ray.get(self.sched.poll.remote(10**9, 10**9))
+
+    def wait_step(self, k, timeout=120):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.thread.is_alive():
+            p = self.poll()
+            if p["step"] >= k and p["state"] == "RUNNING":
+                return p
+            time.sleep(0.05)
+        raise AssertionError(f"the job did not reach step {k}: {self.error or self.result}")
+
+    def finish(self, timeout=240):
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), "the job did not finish"
+        final = self.result or (self.error.args[2] if len(getattr(self.error, "args", ())) > 2 else None)
+        for e in (final or {}).get("events", []):  # shown when a test fails
+            print(f"event {e['type']}: {e['message']}")
+        return self.result
+
+
+def node_of(cluster, node_id):
+    return next(n for n in cluster.worker_nodes if n.node_id == node_id)
+
+
+def events(result, kind):
+    found = [e for e in result["events"] if e["type"] == kind]
+    for e in found:
+        print(f"{kind}: {e['message']}")
+    return found
+
+
+def check_result(result, spec):
+    rows = [m for m in result["metrics"] if not m.get("rerun")]
+    assert [m["step"] for m in rows] == list(range(1, spec.training.steps + 1))  # every step committed once
+    want, losses = reference.train(spec)
+    for m, loss in zip(rows, losses):
+        assert m["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
+    return want
+
+
+def final_params(tmp_path):
+    import torch
+
+    return torch.load(tmp_path / "model.pt")
+
+
+def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
+    with_nodes(cluster, 4)
+    spec = elastic_spec("lose-node", 2, 2)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(10)
+    assert (p["shape"]["dp"], p["shape"]["pp"]) == (2, 2)
+    victim = p["shape"]["workers"]["w1.1"]
+    cluster.remove_node(node_of(cluster, victim), allow_graceful=False)  # a crash: SIGKILL, no goodbye
+    result = job.finish()
+    assert job.error is None, job.error
+    assert result["state"] == "SUCCEEDED"
+    want = check_result(result, spec)
+    assert_same_params(final_params(tmp_path), want)
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [2, 2] and reshape["new_shape"] == [1, 3]
+    assert reshape["steps_lost"] == 0 and reshape["recovery_s"] < 30
+    assert "lost w1.1" in reshape["reason"]
+    assert events(result, "worker_lost")
+
+
+def test_node_added_mid_run_scales_up(cluster, tmp_path):
+    with_nodes(cluster, 2)
+    spec = elastic_spec("scale-up", 2, 2, transport="object_store")
+    job = Job(spec, tmp_path)
+    p = job.wait_step(5)
+    assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)  # the preferred 2x2 does not fit 2 slots
+    cluster.add_node(num_cpus=1)
+    cluster.add_node(num_cpus=1)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and reshape["steps_lost"] == 0
+    assert "joined" in reshape["reason"]
+
+
+def test_shrink_then_grow_changes_pp_and_dp(cluster, tmp_path):
+    with_nodes(cluster, 4)
+    spec = elastic_spec("shrink-grow", 2, 2, steps=60)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(8)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.0"]))  # graceful: SIGTERM
+    job.wait_step(20)
+    assert (job.poll()["shape"]["dp"], job.poll()["shape"]["pp"]) == (1, 3)
+    cluster.add_node(num_cpus=1)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    shapes = [(tuple(e["old_shape"]), tuple(e["new_shape"])) for e in events(result, "reshape")]
+    assert shapes == [((2, 2), (1, 3)), ((1, 3), (2, 2))]
+
+
+def test_every_replica_of_a_stage_lost_restores_from_the_snapshot(cluster, tmp_path):
+    with_nodes(cluster, 4)
+    spec = elastic_spec("lose-stage", 2, 2)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(10)
+    for cell in ("w0.1", "w1.1"):  # both replicas of stage 1 at once
+        cluster.remove_node(node_of(cluster, p["shape"]["workers"][cell]), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert reshape["new_shape"] == [1, 2] and reshape["steps_lost"] == 0
+    assert reshape["restored_from"].startswith("snapshot of step")
+
+
+def test_without_a_current_copy_the_steps_since_the_checkpoint_are_rerun(cluster, tmp_path):
+    with_nodes(cluster, 2)
+    ckpt = tmp_path / "ckpt"
+    d = elastic_spec("lose-all-of-stage", 1, 2, snapshot_every_steps=0).model_dump(mode="json")
+    d["checkpoint"] = {"every_steps": 8, "path": str(ckpt), "keep": 2}
+    d["elastic"]["min_workers"] = 1
+    spec = parse_spec(d)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(12)
+    cluster.add_node(num_cpus=1)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert reshape["restored_from"].startswith("checkpoint ")
+    assert reshape["steps_lost"] == reshape["step"] - 1 - 8 or reshape["steps_lost"] >= 1
+    reruns = [m["step"] for m in result["metrics"] if m.get("rerun")]
+    assert len(reruns) == reshape["steps_lost"]
+
+
+def test_drained_node_is_left_before_its_deadline(cluster, tmp_path):
+    from ray._raylet import GcsClient
+    from ray.core.generated import autoscaler_pb2
+
+    with_nodes(cluster, 3)
+    spec = elastic_spec("drain", 1, 2)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(5)
+    victim = p["shape"]["workers"]["w0.1"]
+    ok, msg = GcsClient(address=cluster.address).drain_node(
+        victim, autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION, "test drain", int(time.time() * 1000) + 60_000)
+    assert ok, msg
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert "draining" in reshape["reason"] and reshape["steps_lost"] == 0
+    assert victim not in result["shape"]["workers"].values()
+    assert not events(result, "worker_lost")  # a planned move, not a failure
+
+
+def test_below_min_workers_waits_then_fails_with_the_reason(cluster, tmp_path):
+    with_nodes(cluster, 2)
+    d = elastic_spec("too-few", 1, 2, steps=400).model_dump(mode="json")
+    d["elastic"].update(min_workers=2, wait_timeout_s=3)
+    spec = parse_spec(d)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(3)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]))
+    job.finish()
+    assert isinstance(job.error, JobFailed)
+    assert str(job.error).startswith("waiting for workers: 1 slot alive, the job needs at least "
+                                     "elastic.min_workers=2; gave up after elastic.wait_timeout_s=3 s")
