@@ -42,9 +42,9 @@ def placement_group_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:workers"
 
 
-def _worker_failure(name: str, step: Optional[int], err: Exception) -> JobFailure:
+def _worker_failure(name: str, step: Optional[int], err: Exception, phase: str = "while starting") -> JobFailure:
     cause = getattr(err, "cause", None) or err
-    where = f" at step {step + 1}" if step is not None else " while starting"
+    where = f" at step {step + 1}" if step is not None else f" {phase}"
     if isinstance(err, ray.exceptions.RayTaskError):
         what = f"raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         if isinstance(cause, ray.exceptions.RayTaskError) or type(cause).__name__.startswith("RayTaskError"):
@@ -181,7 +181,9 @@ class JobScheduler:
         self.pg = None
         self.watch: Optional[NodeWatch] = None
         self.snap: Optional[dict] = None                 # off-node copy of every stage: {step, model, optim}
-        self._snap_busy = False
+        self._snap_busy = 0                              # snapshot fetches in flight
+        self.snapshot_s: Optional[float] = None          # seconds from a commit to its copy landing here
+        self._snap_cond = threading.Condition()
         self._incoming: Optional[dict] = None            # workers being started for a scale-up
         self._scale_backoff = 0.0
         self._reshaping: Optional[dict] = None           # the reshape whose first committed step is awaited
@@ -415,18 +417,24 @@ class JobScheduler:
         workers.  Layers a worker lacks come from ``donors`` (cell -> live worker holding the
         committed state) or, for ``copy_layers`` (every layer when None and ``copy`` is given),
         from ``copy``: a snapshot or checkpoint held here."""
-        p = self.spec.parallelism
         cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
         new = [c for c in cells if c not in assign]
-        if new:
-            spawned = self._spawn(new)
-            try:
+        spawned = self._spawn(new) if new else {}
+        try:
+            if spawned:
                 self._wait_ready(spawned, self.start_timeout)
-            except JobFailure:
-                for h in spawned.values():
+            self._configure(shape, why, {**assign, **spawned}, committed, copy, donors, copy_layers)
+        except BaseException:
+            for h in spawned.values():
+                try:
                     ray.kill(h)
-                raise
-            assign = {**assign, **spawned}
+                except Exception:
+                    pass
+            raise
+
+    def _configure(self, shape: planner.Shape, why: str, assign: dict, committed: int, copy: Optional[dict],
+                   donors: dict, copy_layers: Optional[set]) -> None:
+        p = self.spec.parallelism
         bounds = shape.bounds
         boundary = [self.metas[hi - 1] for _, hi in bounds]
         old_layers = {h._actor_id.hex(): set(range(*self.where[c]["layers"])) for c, h in donors.items()}
@@ -464,7 +472,8 @@ class JobScheduler:
         if exports:  # (a failed copy surfaces in the configure call that reads it)
             ray.wait(exports, num_returns=len(exports), timeout=self.start_timeout, fetch_local=False)
         calls = {c: h.configure.remote(cell, sources) for c, (h, cell, sources) in calls.items()}
-        infos = self._gather(calls, None, self.start_timeout)
+        phase = "while taking its cell" if self.gen > 1 else "while starting"
+        infos = self._gather(calls, None, self.start_timeout, phase)
         self.workers = dict(assign)
         self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
                           "name": self.names.get(h._actor_id.hex(), "")} for c, h in assign.items()}
@@ -474,7 +483,7 @@ class JobScheduler:
         for (r, s), w in self.workers.items():
             conns[(r, s)] = w.connect.remote(p.transport, (self.workers.get((r, s - 1)), self.workers.get((r, s + 1))),
                                              rdzv, shape.workers)
-        self._gather(conns, None, self.start_timeout)
+        self._gather(conns, None, self.start_timeout, phase)
         self.cur = shape
         self.shape = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
                       "transport": p.transport, "microbatches": self.spec.microbatches,
@@ -489,7 +498,7 @@ class JobScheduler:
 
     # ---------------------------------------------------------------- steps
 
-    def _gather(self, refs: dict, step: Optional[int], timeout: float) -> dict:
+    def _gather(self, refs: dict, step: Optional[int], timeout: float, phase: str = "while starting") -> dict:
         """Results of one call per worker.  On a failure, wait briefly for the others so the
         cause is reported (a user error beats the peers' broken connections), then raise:
         ``WorkerLost`` when workers died in an elastic job, else ``JobFailure``."""
@@ -523,9 +532,9 @@ class JobScheduler:
         lost = {k for k, e in errors.items() if _lost_actor(e)}
         if user:
             k = min(user)
-            raise _worker_failure(f"w{k[0]}.{k[1]}", step, user[k]) from None
+            raise _worker_failure(f"w{k[0]}.{k[1]}", step, user[k], phase) from None
         k = min(lost) if lost else min(errors)
-        failure = _worker_failure(f"w{k[0]}.{k[1]}", step, errors[k])
+        failure = _worker_failure(f"w{k[0]}.{k[1]}", step, errors[k], phase)
         if self.elastic and step is not None:
             raise WorkerLost(failure, lost, t_error)
         raise failure from None
@@ -565,12 +574,33 @@ class JobScheduler:
             if snap_every and (step + 1) % snap_every == 0:
                 self._take_snapshot(step + 1)
             if every and ((step + 1) % every == 0 or step + 1 == steps) and self.checkpoint_root:
-                path = checkpoint.save(self.checkpoint_root, step + 1, *self._collect_state(step + 1),
-                                       {"job_id": self.job_id, "name": spec.name}, keep=spec.checkpoint.keep)
-                self._event("checkpoint", f"checkpoint of step {step + 1} at {path}", step=step + 1, path=str(path))
+                try:
+                    state = self._collect_state(step + 1)
+                except JobFailure as e:
+                    if not self.elastic:
+                        raise
+                    # a worker went: the next step notices and recovers; this checkpoint is skipped
+                    self._event("checkpoint_skipped", f"checkpoint of step {step + 1} skipped: {e}")
+                else:
+                    path = checkpoint.save(self.checkpoint_root, step + 1, *state,
+                                           {"job_id": self.job_id, "name": spec.name}, keep=spec.checkpoint.keep)
+                    self._event("checkpoint", f"checkpoint of step {step + 1} at {path}", step=step + 1,
+                                path=str(path))
             step += 1
-        model, _ = self._collect_state(steps)
-        self._final = model
+        for attempt in range(3):
+            try:
+                self._final, _ = self._collect_state(steps)
+                return
+            except JobFailure:
+                if not self.elastic or attempt == 2:
+                    raise
+                # a worker went after the last commit: re-place the state, then copy it out
+                alive = dict(self.workers)
+                self._drop_dead(alive)
+                self._reshape(steps, "a worker was lost after the last step", keep=alive, donors=alive,
+                              exclude=set(), forced=True, detected=time.time())
+                self._reshaping = None
+                self._set_state(JobState.RUNNING)
 
     def _metrics_row(self, step: int, stats: dict, wall: float, B: int) -> dict:
         dp, pp, sched = self.cur.dp, self.cur.pp, self.spec.parallelism.schedule
@@ -586,6 +616,7 @@ class JobScheduler:
                 "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
                 "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
                 "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": self.reshapes,
+                **({"snapshot_s": self.snapshot_s} if self.snapshot_s is not None else {}),
                 **({"rerun": True} if step + 1 <= self._high else {})}
 
     def _save_model(self) -> None:
@@ -600,31 +631,46 @@ class JobScheduler:
         """The whole model's state_dict and name-keyed optimizer state at ``committed`` steps,
         from replica 0 (in the model's layer order)."""
         parts = self._gather({(0, s): self.workers[(0, s)].get_state.remote(committed) for s in range(self.cur.pp)},
-                             None, self.timeout)
+                             None, self.timeout, phase=f"while copying its state at step {committed}")
         merged = _merge_states(parts[(0, s)] for s in range(self.cur.pp))
         return merged["model"], merged["optim"]
 
     # ---------------------------------------------------------------- elasticity
 
     def _take_snapshot(self, committed: int) -> None:
-        """Copy every stage's committed state to this actor's memory, off the workers' nodes,
-        in a thread: the next step does not wait for it."""
-        if self._snap_busy:
-            return
-        self._snap_busy = True
+        """Ask every stage for a copy of its committed state (before the next step is sent, so
+        it is served first) and keep it in this actor's memory, off the workers' nodes.  A
+        thread waits for it: the next step does not."""
+        with self._snap_cond:
+            if self._snap_busy >= 3:  # copies are slower than steps: skip this one
+                return
+            self._snap_busy += 1
+        t0 = time.monotonic()
         refs = [self.workers[(0, s)].snapshot.remote(committed) for s in range(self.cur.pp)]
 
         def fetch():
             try:
                 parts = ray.get(refs, timeout=self.timeout)
                 if all(p is not None and p["step"] == committed for p in parts):
-                    self.snap = {"step": committed, **_merge_states(parts)}
+                    with self._snap_cond:
+                        self.snapshot_s = time.monotonic() - t0
+                        if self.snap is None or self.snap["step"] < committed:
+                            self.snap = {"step": committed, **_merge_states(parts)}
             except Exception:
                 pass  # a worker was lost meanwhile: the previous snapshot stays
             finally:
-                self._snap_busy = False
+                with self._snap_cond:
+                    self._snap_busy -= 1
+                    self._snap_cond.notify_all()
 
         threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True).start()
+
+    def _snapshot_settled(self, timeout: float = 5.0) -> None:
+        """Let a snapshot being fetched land (or fail) before choosing a copy."""
+        deadline = time.monotonic() + timeout
+        with self._snap_cond:
+            while self._snap_busy and time.monotonic() < deadline:
+                self._snap_cond.wait(deadline - time.monotonic())
 
     def _node_of(self, cell) -> Optional[str]:
         return self.where.get(cell, {}).get("node")
@@ -726,7 +772,42 @@ class JobScheduler:
                  detected: float, retire: set = frozenset()) -> None:
         """Re-plan and move state.  ``keep``: live workers that may take cells of the new shape;
         ``donors``: live workers whose committed layers may be copied; the current workers
-        not kept are stopped afterwards."""
+        not kept are stopped afterwards.  A worker lost while state moves starts it over,
+        from the off-node copy (a partial move leaves no reliable map of who holds what)."""
+        for attempt in range(3):
+            try:
+                return self._reshape_once(reason, keep=keep, donors=donors, exclude=exclude, forced=forced,
+                                          detected=detected)
+            except JobFailure as e:
+                dead = self._drop_dead(keep) | self._drop_dead(donors)
+                if attempt == 2 or not dead:
+                    raise
+                self._event("worker_lost", f"{e} while reshaping; planning again", detail=e.detail)
+                donors, forced = {}, True
+                exclude = exclude | self._suspect
+
+    def _drop_dead(self, handles: dict) -> set:
+        """Remove the workers that do not answer (within 3 s) from ``handles``; their nodes
+        become suspect."""
+        pings = {c: h.ping.remote() for c, h in handles.items()}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=3.0)
+        dead = set()
+        for c, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:
+                dead.add(c)
+                node = self._node_of(c)
+                if node:
+                    self._suspect.add(node)
+                try:
+                    ray.kill(handles.pop(c))
+                except Exception:
+                    pass
+        return dead
+
+    def _reshape_once(self, reason: str, *, keep: dict, donors: dict, exclude: set, forced: bool,
+                      detected: float) -> None:
         old = (self.cur.dp, self.cur.pp) if self.cur else None
         committed = self.step
         self._set_state(JobState.RESHAPING)
@@ -734,6 +815,7 @@ class JobScheduler:
         lost_layers = set(range(self.facts.layers)) - held
         copy, copy_layers, steps_lost, restored = None, None, 0, None
         if lost_layers:
+            self._snapshot_settled()
             copy = self._newest_copy()
             if copy is None:
                 raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
@@ -752,10 +834,7 @@ class JobScheduler:
             return
         assign = self._assign(shape, keep)
         previous = dict(self.workers)
-        try:
-            self._install(shape, why, assign, committed, copy=copy, donors=donors, copy_layers=copy_layers)
-        except WorkerLost as again:  # lost another worker while moving state: start over
-            raise JobFailure(f"lost workers again while reshaping: {again.failure}") from None
+        self._install(shape, why, assign, committed, copy=copy, donors=donors, copy_layers=copy_layers)
         for c, h in list(previous.items()) + [(c, h) for c, h in keep.items() if c not in previous]:
             if h not in self.workers.values():
                 try:
@@ -807,14 +886,14 @@ class JobScheduler:
         bounds = shape.bounds
         cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
         pairs = []
-        for c, h in keep.items():
+        for i, (c, h) in enumerate(keep.items()):
             held = set(range(*self.where[c]["layers"])) if c in self.where else set()
             for (r, s) in cells:
                 overlap = len(held & set(range(*bounds[s])))
-                pairs.append((-overlap, (r, s) != c, (r, s), c))
-        pairs.sort()
+                pairs.append((-overlap, (r, s) != c, (r, s), i, c))
+        pairs.sort(key=lambda x: x[:4])
         assign, used = {}, set()
-        for _, _, cell, c in pairs:
+        for _, _, cell, _, c in pairs:
             if cell in assign or c in used:
                 continue
             assign[cell] = keep[c]

@@ -176,7 +176,7 @@ class JobManager:
                 ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
             actor = ray.remote(JobScheduler).options(
                 name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                max_concurrency=4, runtime_env=env or None, scheduling_strategy=scheduler_placement(),
+                max_concurrency=4, runtime_env=env or None, **scheduler_placement(),
             ).remote(job["id"], job["spec"], [],
                      checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
                      start_timeout=self.settings.start_timeout_s, store_url=self.store.url,

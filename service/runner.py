@@ -71,16 +71,11 @@ def _connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bo
     return True
 
 
-def scheduler_placement():
-    """Keep a job's scheduler on this node (the head, usually): it holds the off-node copy of
-    the workers' state, so it must not share a worker node's fate."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    try:
-        return NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=True)
-    except Exception:  # a Ray Client connection has no node of its own
-        return None
+def scheduler_placement() -> dict:
+    """Actor options that keep a job's scheduler on the head node: it holds the off-node
+    copy of the workers' state, so it must not share a worker node's fate (a 0-CPU head is
+    not reached by soft node affinity, hence the head's own resource)."""
+    return {"resources": {"node:__internal_head__": 0.001}}
 
 
 def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:
@@ -162,7 +157,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         check_fits(spec)
         sched = ray.remote(JobScheduler).options(
             name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-            scheduling_strategy=scheduler_placement(),
+            **scheduler_placement(),
             runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
         ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout,
                  store_url=store.url if store else None)
