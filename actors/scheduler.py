@@ -343,14 +343,37 @@ class JobScheduler:
             workers = self.spec.elastic.min_workers
         return 1.0 if ray.cluster_resources().get("GPU", 0) >= workers else 0.0
 
-    def _decide(self, reusable: int, exclude: set, current: Optional[tuple]) -> tuple[planner.Shape, str]:
+    def _absorb_incoming(self, keep: dict) -> None:
+        """Workers started for a scale-up that are up by now join ``keep``."""
+        inc = self._incoming
+        if inc is None:
+            return
+        ready, _ = ray.wait(inc["ready"], num_returns=len(inc["ready"]), timeout=0)
+        for i, (h, ref) in enumerate(zip(inc["handles"], inc["ready"])):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                    keep[("joining", self.gen, i)] = h
+                except Exception:
+                    ray.kill(h)
+        inc["handles"] = [h for h, ref in zip(inc["handles"], inc["ready"]) if ref not in ready]
+        inc["ready"] = [ref for ref in inc["ready"] if ref not in ready]
+        if not inc["ready"]:
+            self._incoming = None
+
+    def _decide(self, reusable: int, exclude: set, current: Optional[tuple],
+                keep: Optional[dict] = None) -> tuple[planner.Shape, str]:
         """Ask the planner for a shape over the slots alive now; wait (RESHAPING) while it says
-        wait, up to elastic.wait_timeout_s."""
+        wait, up to elastic.wait_timeout_s.  Workers started for a scale-up join ``keep``
+        as they come up."""
         e, p, spec = self.spec.elastic, self.spec.parallelism, self.spec
         mem = spec.resources.memory_per_worker_mb
         deadline = time.monotonic() + e.wait_timeout_s
         waited = False
         while True:
+            if keep is not None:
+                self._absorb_incoming(keep)
+                reusable = len(keep)
             view = self.watch.refresh()
             self._suspect &= view.alive
             slots = reusable + view.free_slots(spec.resources.cpus_per_worker, self.gpus, exclude | self._suspect)
@@ -825,7 +848,8 @@ class JobScheduler:
             else:  # an older copy: every stage goes back to it so all layers agree
                 steps_lost, restored = committed - copy["step"], copy["source"]
                 committed = copy["step"]
-        shape, why = self._decide(reusable=len(keep), exclude=exclude, current=None if forced else old)
+        shape, why = self._decide(reusable=len(keep), exclude=exclude, current=None if forced else old,
+                                  keep=keep if forced else None)
         if not forced and (shape.dp, shape.pp) == old:
             for c, h in keep.items():
                 if c not in self.workers:

@@ -1,0 +1,167 @@
+"""Seconds from a node removal to the next committed step: relaytrain beside Ray Train.
+
+    .venv/bin/python bench/recovery.py [--removals 5] [--nodes 3] [--no-raytrain]
+
+A simulated cluster (ray.cluster_utils.Cluster: a head with no CPUs and N one-CPU worker
+nodes) runs an elastic relaytrain job (an MLP 64 -> 128 x 3 -> 10 on digits, global batch
+96, microbatch 8, dp = N, pp = 1, gloo).  The bench removes the node of a worker with
+SIGKILL (``remove_node(allow_graceful=False)``: a crash, no goodbye), records the time of
+the removal, and reads the commit time of the first step greater than every step
+committed before it.  Then it adds a replacement node, waits until the job has grown back
+to N workers, and removes again.
+
+The same removals are then made against Ray Train's elastic TorchTrainer
+(``bench/raytrain_recovery.py``, run as a subprocess: each needs its own Ray).
+
+Prints a table and writes bench/results/recovery.json and recovery.txt.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+RESULTS = ROOT / "bench" / "results"
+
+
+def spec(nodes: int):
+    from service.spec import parse_spec
+
+    return parse_spec({
+        "name": "recovery-bench",
+        "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 3}},
+        "data": {"kind": "digits"},
+        "optimizer": {"name": "adam", "lr": 0.001},
+        "training": {"global_batch_size": 96, "microbatch_size": 8, "steps": 1_000_000, "seed": 0},
+        "parallelism": {"dp": nodes, "pp": 1, "transport": "collective"},
+        "elastic": {"enabled": True, "min_workers": 1, "max_workers": nodes},
+    })
+
+
+def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> dict:
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from service.runner import run_job
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    ray.init(address=cluster.address, logging_level="ERROR")
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    job = spec(nodes)
+    out = tempfile.mkdtemp(prefix="relaytrain-recovery-")
+    done: dict = {}
+    t = threading.Thread(target=lambda: done.setdefault("r", _run(run_job, job, out)), daemon=True)
+    t.start()
+    sched = _scheduler(ray, job.name)
+    rows: list[dict] = []
+    events: list[dict] = []
+
+    def poll():
+        p = ray.get(sched.poll.remote(len(rows), len(events)))
+        rows.extend(p["metrics"])
+        events.extend(p["events"])
+        return p
+
+    def wait_for(pred, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            p = poll()
+            if pred(p):
+                return p
+            time.sleep(0.02)
+        raise RuntimeError(f"timed out; last poll {p['state']} step {p['step']}")
+
+    results = []
+    try:
+        p = wait_for(lambda p: p["step"] >= steps_between and len(p["shape"].get("workers", {})) == nodes)
+        for i in range(removals):
+            victim = p["shape"]["workers"][f"w{nodes - 1}.0"]
+            before = max(r["step"] for r in rows)
+            node = next(n for n in cluster.worker_nodes if n.node_id == victim)
+            t_remove = time.time()
+            cluster.remove_node(node, allow_graceful=False)
+            wait_for(lambda p: any(r["step"] > before and r["time"] > t_remove for r in rows))
+            first = min(r["time"] for r in rows if r["step"] > before and r["time"] > t_remove)
+            reshape = [e for e in events if e["type"] == "reshape"]
+            results.append({"removal": i + 1, "recovery_s": round(first - t_remove, 3),
+                            "detect_to_commit_s": round(reshape[-1]["recovery_s"], 3) if reshape else None,
+                            "steps_lost": reshape[-1]["steps_lost"] if reshape else None,
+                            "new_shape": reshape[-1]["new_shape"] if reshape else None})
+            print(f"relaytrain removal {i + 1}: {results[-1]}", flush=True)
+            cluster.add_node(num_cpus=1)
+            p = wait_for(lambda p: len(p["shape"].get("workers", {})) == nodes and p["state"] == "RUNNING"
+                         and p["step"] >= max(r["step"] for r in rows[:-1] or [{"step": 0}]) + steps_between,
+                         timeout=180)
+    finally:
+        ray.get(sched.cancel.remote())
+        t.join(60)
+        ray.shutdown()
+        cluster.shutdown()
+    rec = [r["recovery_s"] for r in results]
+    return {"recoveries_s": rec, "median_s": statistics.median(rec), "worst_s": max(rec), "details": results}
+
+
+def _run(run_job, job, out):
+    try:
+        return run_job(spec=job, out=out, progress=False, timeout=60, record=False)
+    except Exception as e:  # cancelled at the end: that is the normal way out
+        return {"error": str(e)}
+
+
+def _scheduler(ray, name: str):
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["name"].startswith(f"relaytrain:{name}-") and a["name"].endswith(":scheduler"):
+                return ray.get_actor(a["name"], namespace=a["namespace"])
+        time.sleep(0.1)
+    raise RuntimeError("the job's scheduler did not start")
+
+
+def measure_raytrain(removals: int) -> dict:
+    cmd = [sys.executable, str(ROOT / "bench" / "raytrain_recovery.py"), "--removals", str(removals)]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    path = RESULTS / "raytrain_recovery.json"
+    if r.returncode != 0 or not path.exists():
+        return {"error": (r.stderr or r.stdout)[-2000:]}
+    return json.loads(path.read_text())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--removals", type=int, default=5)
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--no-raytrain", action="store_true")
+    args = ap.parse_args()
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    ours = measure_relaytrain(args.removals, args.nodes)
+    theirs = None if args.no_raytrain else measure_raytrain(min(args.removals, 3))
+    lines = ["| system | removals | median s | worst s | each (s) |", "|---|---|---|---|---|",
+             f"| relaytrain (elastic, reshape in place) | {len(ours['recoveries_s'])} | {ours['median_s']:.2f} | "
+             f"{ours['worst_s']:.2f} | {', '.join(f'{x:.2f}' for x in ours['recoveries_s'])} |"]
+    if theirs and "median_s" in theirs:
+        lines.append(f"| Ray Train TorchTrainer (num_workers=(1, {args.nodes}), restart from checkpoint) | "
+                     f"{len(theirs['recoveries_s'])} | {theirs['median_s']:.2f} | {theirs['worst_s']:.2f} | "
+                     f"{', '.join(f'{x:.2f}' for x in theirs['recoveries_s'])} |")
+    elif theirs:
+        lines.append(f"| Ray Train | failed: {theirs['error'][-200:]!r} | | | |")
+    table = "\n".join(lines)
+    print(table)
+    (RESULTS / "recovery.txt").write_text(table + "\n")
+    (RESULTS / "recovery.json").write_text(json.dumps({"relaytrain": ours, "raytrain": theirs}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
