@@ -182,11 +182,13 @@ class JobScheduler:
         self.watch: Optional[NodeWatch] = None
         self.snap: Optional[dict] = None                 # off-node copy of every stage: {step, model, optim}
         self._snap_busy = 0                              # snapshot fetches in flight
+        self._snap_thread: Optional[threading.Thread] = None
         self.snapshot_s: Optional[float] = None          # seconds from a commit to its copy landing here
         self._snap_cond = threading.Condition()
         self._incoming: Optional[dict] = None            # workers being started for a scale-up
         self._scale_backoff = 0.0
         self._reshaping: Optional[dict] = None           # the reshape whose first committed step is awaited
+        self._phases: dict[str, float] = {}              # where the last reshape's seconds went
         self.reshapes = 0
         self._high = 0                                   # the highest step ever committed
         self._suspect: set[str] = set()                  # nodes that lost workers, until Ray marks them dead
@@ -496,7 +498,9 @@ class JobScheduler:
             ray.wait(exports, num_returns=len(exports), timeout=self.start_timeout, fetch_local=False)
         calls = {c: h.configure.remote(cell, sources) for c, (h, cell, sources) in calls.items()}
         phase = "while taking its cell" if self.gen > 1 else "while starting"
+        t_conf = time.time()
         infos = self._gather(calls, None, self.start_timeout, phase)
+        self._phases["configure_s"] = time.time() - t_conf
         self.workers = dict(assign)
         self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
                           "name": self.names.get(h._actor_id.hex(), "")} for c, h in assign.items()}
@@ -507,6 +511,7 @@ class JobScheduler:
             conns[(r, s)] = w.connect.remote(p.transport, (self.workers.get((r, s - 1)), self.workers.get((r, s + 1))),
                                              rdzv, shape.workers)
         self._gather(conns, None, self.start_timeout, phase)
+        self._phases["connect_s"] = time.time() - t_conf - self._phases["configure_s"]
         self.cur = shape
         self.shape = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
                       "transport": p.transport, "microbatches": self.spec.microbatches,
@@ -530,12 +535,22 @@ class JobScheduler:
         out, errors = {}, {}
         deadline = time.monotonic() + timeout
         first_error = None
+        pings: dict = {}
         while pending:
             limit = deadline if first_error is None else min(deadline, first_error + 3.0)
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, limit - time.monotonic()))
-            if not done:
-                if first_error is not None:
+            if pings and time.monotonic() > first_error + 0.3:
+                # the workers still running answer pings (threaded actors) or are gone: a call to
+                # an actor on a crashed node hangs until Ray marks the node dead, not waited for
+                answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+                if all(pings[by_ref[x]] not in answered for x in pending):
                     break
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=max(0.0, min(limit, time.monotonic() + 0.1) - time.monotonic()))
+            if not done:
+                if first_error is not None and time.monotonic() >= limit:
+                    break
+                if first_error is not None or time.monotonic() < limit:
+                    continue
                 names = ", ".join(f"w{r}.{s}" for r, s in sorted(by_ref[x] for x in pending))
                 what = f"step {step + 1}" if step is not None else "start-up"
                 raise JobFailure(f"workers {names} did not finish {what} within {timeout:.0f} s")
@@ -544,13 +559,19 @@ class JobScheduler:
                 out[key] = ray.get(done[0])
             except Exception as e:
                 errors[key] = e
+                if not _is_comm_error(e) and not _lost_actor(e):
+                    break  # user code raised: that is the cause
                 if first_error is None:
                     first_error = time.monotonic()
                     t_error = time.time()
-                if not _is_comm_error(e) and not _lost_actor(e):
-                    break  # user code raised: that is the cause
+                    if self.elastic and step is not None:  # wake every worker blocked on the lost one
+                        for k, w in self.workers.items():
+                            w.abort.remote(self.gen)
+                            pings[k] = w.ping.remote()
         if not errors:
             return out
+        if first_error is None:
+            t_error = time.time()
         user = {k: e for k, e in errors.items() if not _is_comm_error(e) and not _lost_actor(e)}
         lost = {k for k, e in errors.items() if _lost_actor(e)}
         if user:
@@ -559,7 +580,9 @@ class JobScheduler:
         k = min(lost) if lost else min(errors)
         failure = _worker_failure(f"w{k[0]}.{k[1]}", step, errors[k], phase)
         if self.elastic and step is not None:
-            raise WorkerLost(failure, lost, t_error)
+            answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0) if pings else ([], [])
+            silent = {k for k, ref in pings.items() if ref not in answered and k not in out and k not in errors}
+            raise WorkerLost(failure, lost | silent, t_error)
         raise failure from None
 
     def _train(self, start: int) -> None:
@@ -663,10 +686,11 @@ class JobScheduler:
     def _take_snapshot(self, committed: int) -> None:
         """Ask every stage for a copy of its committed state (before the next step is sent, so
         it is served first) and keep it in this actor's memory, off the workers' nodes.  A
-        thread waits for it: the next step does not."""
+        thread waits for it while the next step runs; the step after that waits for it if it
+        has not landed, so the copy is never more than one step behind."""
+        if self._snap_thread is not None:
+            self._snap_thread.join(30.0)
         with self._snap_cond:
-            if self._snap_busy >= 3:  # copies are slower than steps: skip this one
-                return
             self._snap_busy += 1
         t0 = time.monotonic()
         refs = [self.workers[(0, s)].snapshot.remote(committed) for s in range(self.cur.pp)]
@@ -686,7 +710,8 @@ class JobScheduler:
                     self._snap_busy -= 1
                     self._snap_cond.notify_all()
 
-        threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True).start()
+        self._snap_thread = threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True)
+        self._snap_thread.start()
 
     def _snapshot_settled(self, timeout: float = 5.0) -> None:
         """Let a snapshot being fetched land (or fail) before choosing a copy."""
@@ -707,6 +732,7 @@ class JobScheduler:
             deadlines = [view.draining[n] for n in nodes if view.draining[n]]
             left = f", deadline in {min(deadlines) - time.time():.0f} s" if deadlines else ""
             reason = f"node{'s' if len(nodes) > 1 else ''} {', '.join(n[:12] for n in nodes)} draining{left}"
+            self._phases = {}
             self._reshape(step, reason, keep={c: w for c, w in self.workers.items() if c not in draining},
                           donors=dict(self.workers), exclude=set(nodes), forced=True, detected=time.time())
             return
@@ -727,6 +753,7 @@ class JobScheduler:
                         ray.kill(h)
                     self._scale_backoff = time.monotonic() + 30
                     return
+                self._phases = {}
                 self._reshape(step, f"{len(extra)} more worker slot{'s' if len(extra) > 1 else ''} joined",
                               keep={**self.workers, **extra}, donors=dict(self.workers), exclude=set(),
                               forced=False, detected=inc["detected"])
@@ -769,11 +796,12 @@ class JobScheduler:
         self._set_state(JobState.RESHAPING)
         self._event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
                     detail=lost.failure.detail, step=step + 1)
-        for w in self.workers.values():
-            w.abort.remote(self.gen)
-        ray.wait(list(refs.values()), num_returns=len(refs), timeout=5.0)
+        self._phases = {"abort_s": time.time() - detected}
+        # a live worker answers a ping in milliseconds, even mid-step (threaded actor); a call to
+        # an actor on a crashed node hangs until Ray marks the node dead (~15 s): not waited for
         pings = {c: self.workers[c].ping.remote() for c in self.workers if c not in lost.lost}
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=3.0)
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=1.0)
+        ray.wait([refs[c] for c in pings], num_returns=len(pings), timeout=1.0)
         alive, stuck = {}, {}
         for c, ref in pings.items():
             try:
@@ -859,6 +887,7 @@ class JobScheduler:
         assign = self._assign(shape, keep)
         previous = dict(self.workers)
         self._install(shape, why, assign, committed, copy=copy, donors=donors, copy_layers=copy_layers)
+        self._snap_thread = None  # a copy still being fetched from the old shape is not waited for
         for c, h in list(previous.items()) + [(c, h) for c, h in keep.items() if c not in previous]:
             if h not in self.workers.values():
                 try:
@@ -869,6 +898,7 @@ class JobScheduler:
             with self._lock:
                 self.step = committed
         self.reshapes += 1
+        self._phases["installed_at"] = time.time()
         self._reshaping = {"reason": reason, "old": list(old) if old else None, "new": [shape.dp, shape.pp], "detected": detected,
                            "steps_lost": steps_lost, "restored_from": restored, "why": why,
                            "committed": committed}
@@ -877,6 +907,8 @@ class JobScheduler:
         """The first step of a new shape committed: record the reshape with its cost."""
         r, self._reshaping = self._reshaping, None
         seconds = time.time() - r["detected"]
+        phases = {k: round(v, 3) for k, v in self._phases.items() if k.endswith("_s")}
+        phases["first_step_s"] = round(time.time() - self._phases.get("installed_at", time.time()), 3)
         old = f"{r['old'][0]}x{r['old'][1]}" if r["old"] else "none"
         new = f"{r['new'][0]}x{r['new'][1]}"
         lost = (f"{r['steps_lost']} steps lost, restored from the {r['restored_from']}" if r["steps_lost"]
@@ -884,7 +916,7 @@ class JobScheduler:
         self._event("reshape", f"reshaped {old} -> {new} after {r['reason']}: step {committed} committed "
                     f"{seconds:.2f} s after detection; {lost} ({r['why']})",
                     reason=r["reason"], old_shape=r["old"], new_shape=r["new"], recovery_s=seconds,
-                    steps_lost=r["steps_lost"], restored_from=r["restored_from"], step=committed)
+                    steps_lost=r["steps_lost"], restored_from=r["restored_from"], step=committed, phases_s=phases)
         with self._lock:
             if self.metrics:
                 self.metrics[-1]["recovery_s"] = seconds

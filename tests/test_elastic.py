@@ -218,8 +218,8 @@ def test_every_replica_of_a_stage_lost_restores_from_the_snapshot(cluster, tmp_p
     assert_same_params(final_params(tmp_path), check_result(result, spec))
     [reshape] = events(result, "reshape")
     assert reshape["new_shape"] == [1, 2]
-    # the copy of step s lands a few ms after s commits, while step s + 1 runs: a stage lost in
-    # that window re-runs one step, and the event says so
+    # the copy of step s is fetched while step s + 1 runs (step s + 2 waits for it): a stage lost
+    # before it landed re-runs one step, and the event says so
     assert reshape["restored_from"] == f"snapshot of step {reshape['step'] - 1} in the scheduler's memory"
     assert reshape["steps_lost"] in (0, 1)
     assert len([m for m in result["metrics"] if m.get("rerun")]) == reshape["steps_lost"]
