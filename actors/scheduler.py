@@ -115,11 +115,13 @@ def _jsonable(row: dict) -> dict:
 
 
 class WorkerLost(Exception):
-    """Workers of a step were lost (their actor or node died); the job can reshape."""
+    """Workers of a step were lost (their actor or node died); the job can reshape.
+    ``lost``: workers whose calls failed with a Ray actor error (surely gone); ``silent``:
+    workers that had not answered a ping yet (maybe gone, maybe slow: checked again)."""
 
-    def __init__(self, failure: "JobFailure", lost: set, first_error_time: float):
+    def __init__(self, failure: "JobFailure", lost: set, first_error_time: float, silent: set = frozenset()):
         super().__init__(str(failure))
-        self.failure, self.lost, self.time = failure, lost, first_error_time
+        self.failure, self.lost, self.time, self.silent = failure, lost, first_error_time, set(silent)
 
 
 _COMM_ERRORS = ("DistBackendError", "StageAborted", "TimeoutError")
@@ -582,7 +584,7 @@ class JobScheduler:
         if self.elastic and step is not None:
             answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0) if pings else ([], [])
             silent = {k for k, ref in pings.items() if ref not in answered and k not in out and k not in errors}
-            raise WorkerLost(failure, lost | silent, t_error)
+            raise WorkerLost(failure, lost, t_error, silent - lost)
         raise failure from None
 
     def _train(self, start: int) -> None:
@@ -597,7 +599,7 @@ class JobScheduler:
                 self._set_state(JobState.CANCELLED)
                 return
             if self.elastic:
-                self._at_boundary(step)
+                step = self._at_boundary(step)  # a reshape may go back to an older copy
             t0 = time.time()
             refs = {k: w.run_step.remote(step) for k, w in self.workers.items()}
             try:
@@ -723,8 +725,10 @@ class JobScheduler:
     def _node_of(self, cell) -> Optional[str]:
         return self.where.get(cell, {}).get("node")
 
-    def _at_boundary(self, step: int) -> None:
-        """Between steps: move off draining nodes, or grow when nodes joined."""
+    def _at_boundary(self, step: int) -> int:
+        """Between steps: move off draining nodes, or grow when nodes joined.  Returns the
+        step to run next (earlier than ``step`` when a worker lost meanwhile took the only
+        current copy of some layers, and the state went back to an older copy)."""
         view = self.watch.view
         draining = {c for c in self.workers if self._node_of(c) in view.draining}
         if draining:
@@ -735,8 +739,9 @@ class JobScheduler:
             self._phases = {}
             self._reshape(step, reason, keep={c: w for c, w in self.workers.items() if c not in draining},
                           donors=dict(self.workers), exclude=set(nodes), forced=True, detected=time.time())
-            return
+            return self.step
         self._maybe_scale_up(step, view)
+        return self.step
 
     def _maybe_scale_up(self, step: int, view) -> None:
         e, res = self.spec.elastic, self.spec.resources
@@ -797,19 +802,25 @@ class JobScheduler:
         self._event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
                     detail=lost.failure.detail, step=step + 1)
         self._phases = {"abort_s": time.time() - detected}
-        # a live worker answers a ping in milliseconds, even mid-step (threaded actor); a call to
-        # an actor on a crashed node hangs until Ray marks the node dead (~15 s): not waited for
+        # a live worker answers a ping in milliseconds, even mid-step (threaded actor), though a
+        # loaded machine can take a second; a call to an actor on a crashed node fails after
+        # ~1.5 s or hangs until Ray marks the node dead (~15 s): not waited for
         pings = {c: self.workers[c].ping.remote() for c in self.workers if c not in lost.lost}
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=1.0)
-        ray.wait([refs[c] for c in pings], num_returns=len(pings), timeout=1.0)
-        alive, stuck = {}, {}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=2.0)
+        answered = {}
         for c, ref in pings.items():
             try:
                 ray.get(ref, timeout=0)
+                answered[c] = self.workers[c]
             except Exception:
                 continue
+        # the live workers were aborted: their step calls end within milliseconds, or within
+        # seconds on a loaded machine; one that still runs after that is stuck and replaced
+        ray.wait([refs[c] for c in answered], num_returns=len(answered), timeout=10.0)
+        alive, stuck = {}, {}
+        for c, h in answered.items():
             done, _ = ray.wait([refs[c]], timeout=0)
-            (alive if done else stuck)[c] = self.workers[c]
+            (alive if done else stuck)[c] = h
         dead = set(self.workers) - set(alive) - set(stuck)
         suspect = {self._node_of(c) for c in dead}
         self._suspect |= suspect

@@ -163,3 +163,10 @@ def test_elastic_range_and_preferred_shape():
         parse_spec(spec_with(parallelism__dp=2, parallelism__pp=2, elastic={"enabled": True, "max_workers": 2}))
     with pytest.raises(SpecError, match="resources.memory_per_worker_mb: Input should be greater than 0"):
         parse_spec(spec_with(resources__memory_per_worker_mb=0))
+
+
+@pytest.mark.parametrize("name", sorted(os.listdir(os.path.join(os.path.dirname(__file__), "..", "examples"))))
+def test_examples_are_valid_specs(name):
+    if name.endswith((".yaml", ".yml", ".json")):
+        spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "examples", name))
+        assert spec.name

@@ -15,19 +15,40 @@ from torch.nn import functional as F
 # ---------------------------------------------------------------- models
 
 
-def mlp(in_features: int = 64, hidden: int = 128, layers: int = 4, out_features: int = 10) -> nn.Sequential:
-    """``layers`` hidden Linear+ReLU blocks, then a Linear head (one Sequential entry per layer)."""
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that takes input of another floating dtype (float32 data into a float64
+    model); the same state_dict keys as ``nn.Linear``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x if x.dtype == self.weight.dtype else x.to(self.weight.dtype))
+
+
+def _dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"model.args.dtype: {name!r} is not supported; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def mlp(in_features: int = 64, hidden: int = 128, layers: int = 4, out_features: int = 10,
+        dtype: str = "float32") -> nn.Sequential:
+    """``layers`` hidden Linear+ReLU blocks, then a Linear head (one Sequential entry per layer).
+    ``dtype="float64"`` trains in double precision (the float32 input is cast by the first layer)."""
+    dt = _dtype(dtype)
     mods: list[nn.Module] = []
     width = in_features
     for _ in range(layers):
-        mods += [nn.Sequential(nn.Linear(width, hidden), nn.ReLU())]
+        mods += [nn.Sequential(Linear(width, hidden, dtype=dt), nn.ReLU())]
         width = hidden
-    mods.append(nn.Linear(width, out_features))
+    mods.append(Linear(width, out_features, dtype=dt))
     return nn.Sequential(*mods)
 
 
-def regression_mlp(in_features: int = 16, hidden: int = 64, layers: int = 3, out_features: int = 1) -> nn.Sequential:
-    return mlp(in_features, hidden, layers, out_features)
+def regression_mlp(in_features: int = 16, hidden: int = 64, layers: int = 3, out_features: int = 1,
+                   dtype: str = "float32") -> nn.Sequential:
+    return mlp(in_features, hidden, layers, out_features, dtype)
 
 
 def cnn(channels: int = 16, classes: int = 10) -> nn.Sequential:
