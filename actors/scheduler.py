@@ -21,7 +21,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.cluster import NodeWatch
 from actors.worker import StageWorker, layer_of
-from service import checkpoint, partition, planner, schedules
+from actors.metrics import JobMetrics
+from service import checkpoint, partition, planner, schedules, timeline
 from service.loading import build_data, build_model, preflight
 from service.sampling import step_indices
 from service.spec import JobSpec, SpecError
@@ -72,7 +73,9 @@ def _traceback_text(name: str, err: Exception) -> str:
 
 class StoreSink:
     """Writes a job's progress to the job store as it happens.  A store that is briefly
-    unreachable does not stop training: rows wait and go with the next write."""
+    unreachable does not stop training: rows wait and go with the next write.  Step
+    timelines are written at most once per ``timeline.EVERY_S`` (the newest waits), and
+    the one waiting goes with any state change, so an ended job shows its last step."""
 
     def __init__(self, url: str, job_id: str):
         from service.store import Store
@@ -82,10 +85,12 @@ class StoreSink:
         self._metrics: list[dict] = []
         self._fields: dict[str, Any] = {}
         self._state: Optional[tuple[JobState, Optional[str]]] = None
+        self._timeline: Optional[dict] = None
+        self._timeline_at = float("-inf")
         self._lock = threading.Lock()
 
     def write(self, events=(), metrics=(), state: Optional[JobState] = None, error: Optional[str] = None,
-              **fields) -> None:
+              timeline_entry: Optional[dict] = None, **fields) -> None:
         """Queue rows, job fields and a state change, then try to write everything queued."""
         with self._lock:
             self._events += list(events)
@@ -93,6 +98,8 @@ class StoreSink:
             self._fields.update(fields)
             if state is not None:
                 self._state = (state, error)
+            if timeline_entry is not None:
+                self._timeline = timeline_entry
             try:
                 if self._events:
                     self.store.add_events(self.job_id, [_jsonable(e) for e in self._events])
@@ -103,6 +110,10 @@ class StoreSink:
                 if self._fields:
                     self.store.update_job(self.job_id, **self._fields)
                     self._fields = {}
+                if self._timeline is not None and (self._state is not None or
+                                                   time.monotonic() - self._timeline_at >= timeline.EVERY_S):
+                    self.store.put_timeline(self.job_id, self._timeline, keep=timeline.RING)
+                    self._timeline, self._timeline_at = None, time.monotonic()
                 if self._state is not None:
                     self.store.set_state(self.job_id, self._state[0], error=self._state[1])
                     self._state = None
@@ -163,6 +174,7 @@ class JobScheduler:
         self.detached = detached
         self.run_preflight = preflight
         self.sink = StoreSink(store_url, job_id) if store_url else None
+        self.job_metrics = JobMetrics(job_id)  # ray.util.metrics, tagged by job
         self.spec = JobSpec.model_validate(spec)
         self.elastic = self.spec.elastic.enabled
         self.search = search
@@ -616,7 +628,9 @@ class JobScheduler:
                 self.step = step + 1
                 self._high = max(self._high, self.step)
             if self.sink:
-                self.sink.write(metrics=[row])
+                self.sink.write(metrics=[row], timeline_entry=timeline.record(step + 1, self.shape,
+                                                                              self.timelines[-1]["workers"]))
+            self.job_metrics.committed(row)
             if self._reshaping:
                 self._reshaped(step + 1)
             if snap_every and (step + 1) % snap_every == 0:
@@ -931,6 +945,7 @@ class JobScheduler:
         with self._lock:
             if self.metrics:
                 self.metrics[-1]["recovery_s"] = seconds
+        self.job_metrics.reshaped(seconds)
         self._set_state(JobState.RUNNING)
 
     def _newest_copy(self) -> Optional[dict]:

@@ -8,8 +8,9 @@ from typing import Optional
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
-from api.routes import health, jobs, packages
+from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens
 from service.jobs import JobError, JobManager
 from service.settings import Settings
@@ -17,9 +18,25 @@ from service.states import JobState
 from service.store import Store
 
 
+class _StoreCounters:
+    """Counters read from the job store at scrape time (every API replica reports the same)."""
+
+    def __init__(self):
+        self.store: Optional[Store] = None
+
+    def collect(self):
+        if self.store is None:
+            return
+        c = CounterMetricFamily("relaytrain_reshapes", "reshapes of jobs in the store (all tenants)")
+        c.add_metric([], self.store.count_events("reshape"))
+        yield c
+
+
 class Telemetry:
     def __init__(self):
         self.registry = CollectorRegistry()
+        self.store_counters = _StoreCounters()
+        self.registry.register(self.store_counters)
         self.jobs = Gauge("relaytrain_jobs", "jobs in the store by state", ["state"], registry=self.registry)
         self.requests = Counter("relaytrain_http_requests_total", "HTTP requests", ["method", "route", "status"],
                                 registry=self.registry)
@@ -27,6 +44,7 @@ class Telemetry:
                                  registry=self.registry)
 
     def refresh(self, store: Store) -> None:
+        self.store_counters.store = store
         counts = store.count_by_state()
         for s in JobState:
             self.jobs.labels(state=s.value).set(counts.get(s.value, 0))
@@ -106,4 +124,6 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     app.include_router(health.router)
     app.include_router(jobs.router)
     app.include_router(packages.router)
+    app.include_router(timeline.router)
+    ui.mount(app)
     return app

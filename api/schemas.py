@@ -52,3 +52,35 @@ class PackageOut(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: Any
+
+
+class TimelineBox(BaseModel):
+    action: str = Field(description="like 1F3: stage 1, forward, microbatch 3 (global id)")
+    kind: str = Field(description="F or B")
+    mb: int = Field(description="global microbatch id")
+    start: float = Field(description="seconds from the step's first action")
+    end: float
+
+
+class TimelineLane(BaseModel):
+    worker: str = Field(description="w<dp_rank>.<pp_rank>")
+    dp_rank: int
+    pp_rank: int
+    node: Optional[str] = Field(None, description="Ray node id the worker ran on")
+    busy_s: float = Field(description="seconds inside actions")
+    actions: list[TimelineBox] = Field(description="in the order the worker ran them")
+
+
+class TimelineOut(BaseModel):
+    job: str
+    step: int = Field(description="the step (1-based) these times were measured in")
+    available: list[int] = Field(description="steps whose timelines the store keeps (a ring of the newest)")
+    dp: int
+    pp: int
+    schedule: str
+    microbatches_per_replica: int
+    start: Optional[float] = Field(None, description="unix time of the step's first action")
+    span_s: float = Field(description="seconds from the first action's start to the last one's end")
+    utilization: Optional[float] = Field(None, description="measured: busy / (stages x span), averaged over replicas")
+    utilization_plan: Optional[float] = Field(None, description="the schedule's ideal, backward = 2 x forward")
+    lanes: list[TimelineLane]

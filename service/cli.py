@@ -192,6 +192,30 @@ def _logs(client, args):
 
 
 @_remote
+def _timeline(client, args):
+    import json
+
+    from service import timeline
+
+    v = client.timeline(args.job, args.step)
+    if args.json:
+        print(json.dumps(v))
+    elif args.out:
+        try:
+            with open(args.out, "w") as f:
+                f.write(timeline.render_svg(v))
+        except OSError as e:
+            print(f"relaytrain: cannot write {args.out}: {e.strerror or e}", file=sys.stderr)
+            return 1
+        print(f"wrote {args.out}: step {v['step']} of {args.job}, {len(v['lanes'])} lanes, measured utilization "
+              f"{v['utilization']:.1%} (plan {v['utilization_plan']:.1%})" if v["utilization"] is not None
+              and v["utilization_plan"] is not None else f"wrote {args.out}: step {v['step']} of {args.job}",
+              file=sys.stderr)
+    else:
+        print(timeline.summary(v))
+
+
+@_remote
 def _cancel(client, args):
     _print_job(client.cancel(args.job))
 
@@ -248,6 +272,10 @@ def main(argv=None) -> int:
     remote("events", _events, "show a job's events")
     remote("logs", _logs, "show a job's log")
     remote("cancel", _cancel, "cancel a job")
+    tl = remote("timeline", _timeline, "a recent step as measured on the workers: text, --json, or an SVG swimlane")
+    tl.add_argument("--step", type=int, default=None, help="a step the server keeps (default: the newest kept)")
+    tl.add_argument("--out", default=None, metavar="FILE.svg", help="write the swimlane picture as SVG")
+    tl.add_argument("--json", action="store_true", help="print the timeline JSON")
 
     args = ap.parse_args(argv)
     return args.fn(args)

@@ -64,6 +64,9 @@ class Client:
     def metrics(self, job_id: str, after_step: int = 0) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/metrics", params={"after_step": after_step}).json()
 
+    def timeline(self, job_id: str, step: Optional[int] = None) -> dict:
+        return self._call("GET", f"/v1/jobs/{job_id}/timeline", params={"step": step} if step is not None else {}).json()
+
     def logs(self, job_id: str) -> str:
         return self._call("GET", f"/v1/jobs/{job_id}/logs").text
 

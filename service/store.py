@@ -1,8 +1,9 @@
 """The durable job store: SQLite by default, PostgreSQL by URL, through SQLAlchemy Core.
 
-Holds jobs (spec, state, progress, error), their events and their per-step metrics, so
-a job's history outlives its actors, the API server and the cluster.  Metrics are keyed
-by (job, step): a step recorded twice is recorded once.
+Holds jobs (spec, state, progress, error), their events, their per-step metrics and the
+measured timelines of a few recent steps, so a job's history outlives its actors, the API
+server and the cluster.  Metrics are keyed by (job, step): a step recorded twice is recorded
+once.  Timelines are a ring: each job keeps the newest few written (``put_timeline``).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from sqlalchemy.exc import IntegrityError
 
 from service.states import JobState
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1  # new tables are created at start and older code ignores them: no bump
 metadata = sa.MetaData()
 
 jobs = sa.Table(
@@ -55,6 +56,14 @@ metrics = sa.Table(
     "metrics", metadata,
     sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
     sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("data", sa.JSON, nullable=False),
+)
+
+timelines = sa.Table(
+    "timelines", metadata,
+    sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    sa.Column("step", sa.Integer, primary_key=True),
+    sa.Column("written_at", sa.Float, nullable=False),
     sa.Column("data", sa.JSON, nullable=False),
 )
 
@@ -207,6 +216,11 @@ class Store:
             return int(c.execute(sa.select(sa.func.count()).select_from(jobs).where(
                 jobs.c.tenant == tenant, jobs.c.state.in_(active))).scalar_one())
 
+    def count_events(self, kind: str) -> int:
+        """Events of this type over every job (e.g. 'reshape')."""
+        with self.engine.connect() as c:
+            return int(c.execute(sa.select(sa.func.count()).select_from(events).where(events.c.type == kind)).scalar_one())
+
     def count_by_state(self) -> dict[str, int]:
         with self.engine.connect() as c:
             rows = c.execute(sa.select(jobs.c.state, sa.func.count()).group_by(jobs.c.state)).all()
@@ -278,3 +292,30 @@ class Store:
              .order_by(metrics.c.step).limit(limit))
         with self.engine.connect() as c:
             return [json.loads(d) if isinstance(d, str) else d for d in c.execute(q).scalars()]
+
+    # ---------------------------------------------------------------- timelines
+
+    def put_timeline(self, job_id: str, entry: dict, keep: int = 16) -> None:
+        """Keep ``entry`` (a measured step timeline, ``entry["step"]`` its step) and drop the
+        job's older ones beyond the newest ``keep`` written: a ring, one transaction."""
+        with self.engine.begin() as c:
+            c.execute(timelines.delete().where(timelines.c.job_id == job_id, timelines.c.step == entry["step"]))
+            c.execute(timelines.insert().values(job_id=job_id, step=entry["step"], written_at=time.time(), data=entry))
+            old = list(c.execute(sa.select(timelines.c.step).where(timelines.c.job_id == job_id)
+                                 .order_by(timelines.c.written_at.desc(), timelines.c.step.desc())
+                                 .offset(keep)).scalars())
+            if old:
+                c.execute(timelines.delete().where(timelines.c.job_id == job_id, timelines.c.step.in_(old)))
+
+    def timeline_steps(self, job_id: str) -> list[int]:
+        with self.engine.connect() as c:
+            return sorted(c.execute(sa.select(timelines.c.step).where(timelines.c.job_id == job_id)).scalars())
+
+    def get_timeline(self, job_id: str, step: Optional[int] = None) -> Optional[dict]:
+        """The timeline of ``step``, or the newest written when step is None."""
+        q = sa.select(timelines.c.data).where(timelines.c.job_id == job_id)
+        q = q.where(timelines.c.step == step) if step is not None else q.order_by(timelines.c.written_at.desc(),
+                                                                                  timelines.c.step.desc()).limit(1)
+        with self.engine.connect() as c:
+            d = c.execute(q).scalar()
+        return json.loads(d) if isinstance(d, str) else d

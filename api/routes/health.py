@@ -28,7 +28,7 @@ def readyz(request: Request):
 
 @router.get("/metrics", response_class=Response)
 def metrics(request: Request) -> Response:
-    """Prometheus text: jobs by state, requests and their latencies."""
+    """Prometheus text: jobs by state, requests and their latencies, reshapes."""
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
     request.app.state.telemetry.refresh(request.app.state.manager.store)

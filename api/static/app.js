@@ -1,0 +1,429 @@
+// relaytrain's web page: the job list and a job's page, read from the /v1 API.
+// Plain JavaScript, no build step, nothing from another host.  Data is written with
+// textContent (never as markup), except the swimlane SVG the server renders and escapes.
+"use strict";
+
+const TOKEN_KEY = "relaytrain.token";
+const SVG_NS = "http://www.w3.org/2000/svg";
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const POLL_MS = { list: 2000, active: 1500, ended: 15000 };
+
+const $ = (sel, root = document) => root.querySelector(sel);
+let token = sessionStorage.getItem(TOKEN_KEY) || "";
+let timer = null;
+let view = null;       // the current page's state
+let generation = 0;    // bumps on navigation: a stale refresh does not draw
+
+class ApiError extends Error {
+  constructor(status, detail) {
+    super(typeof detail === "string" ? detail : JSON.stringify(detail));
+    this.status = status;
+  }
+}
+
+async function api(path, { method = "GET", as = "json" } = {}) {
+  const headers = token ? { Authorization: "Bearer " + token } : {};
+  const r = await fetch(path, { method, headers });
+  if (r.status === 401) {
+    showLogin(token ? "That token was not accepted." : "");
+    throw new ApiError(401, "unauthorized");
+  }
+  if (!r.ok) {
+    let detail = r.statusText;
+    try { detail = (await r.json()).detail; } catch (e) { /* not JSON */ }
+    throw new ApiError(r.status, detail);
+  }
+  return as === "text" ? r.text() : r.json();
+}
+
+// ------------------------------------------------------------------ helpers
+
+function el(tag, attrs = {}, ...children) {
+  const node = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) {
+    if (k === "class") node.className = v;
+    else if (k === "text") node.textContent = v;
+    else node.setAttribute(k, v);
+  }
+  for (const c of children) if (c != null) node.append(c);
+  return node;
+}
+
+function svg(tag, attrs = {}, text) {
+  const node = document.createElementNS(SVG_NS, tag);
+  for (const [k, v] of Object.entries(attrs)) node.setAttribute(k, v);
+  if (text != null) node.textContent = text;
+  return node;
+}
+
+function fmtNum(x, digits = 4) {
+  if (x == null || Number.isNaN(x)) return "–";
+  const a = Math.abs(x);
+  if (a !== 0 && (a < 1e-3 || a >= 1e6)) return x.toExponential(2);
+  return Number(x.toPrecision(digits)).toString();
+}
+
+function fmtSpeed(x) { return x == null ? "–" : x >= 100 ? Math.round(x).toLocaleString() : fmtNum(x, 3); }
+function fmtPct(x) { return x == null || x === "" ? "–" : (100 * Number(x)).toFixed(1) + "%"; }
+
+function fmtDuration(s) {
+  if (s == null) return "–";
+  s = Math.max(0, Math.round(s));
+  const h = Math.floor(s / 3600), m = Math.floor((s % 3600) / 60), sec = s % 60;
+  return h ? `${h}h ${m}m` : m ? `${m}m ${sec}s` : `${sec}s`;
+}
+
+function fmtAgo(t) {
+  if (!t) return "–";
+  const s = Date.now() / 1000 - t;
+  if (s < 60) return "just now";
+  if (s < 3600) return `${Math.floor(s / 60)} min ago`;
+  if (s < 86400) return `${Math.floor(s / 3600)} h ago`;
+  return new Date(t * 1000).toLocaleDateString();
+}
+
+function fmtClock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
+
+function shapeText(shape) {
+  if (!shape || shape.dp == null) return "–";
+  return `${shape.dp}×${shape.pp} · ${shape.schedule || ""}`;
+}
+
+function badge(state) { return el("span", { class: "badge " + state, "data-state": state, text: state }); }
+
+function progressCell(job) {
+  const bar = el("div", { class: "progress-bar" });
+  bar.style.width = `${job.steps ? (100 * job.step) / job.steps : 0}%`;
+  return el("div", { class: "progress-cell" }, el("div", { class: "progress" }, bar),
+    el("span", { text: `${job.step} / ${job.steps}` }));
+}
+
+function showBanner(msg) {
+  const b = $("#banner");
+  b.textContent = msg || "";
+  b.hidden = !msg;
+}
+
+function setLive(on) { $("#live").classList.toggle("paused", !on); $("#live").textContent = on ? "live" : "ended"; }
+
+// ------------------------------------------------------------------ sign in
+
+function showLogin(message) {
+  for (const id of ["view-list", "view-job"]) $("#" + id).hidden = true;
+  $("#login").hidden = false;
+  $("#login-error").hidden = !message;
+  $("#login-error").textContent = message || "";
+  $("#token").focus();
+  stop();
+}
+
+$("#login-form").addEventListener("submit", (e) => {
+  e.preventDefault();
+  token = $("#token").value.trim();
+  sessionStorage.setItem(TOKEN_KEY, token);
+  $("#token").value = "";
+  $("#login").hidden = true;
+  $("#forget-token").hidden = !token;
+  route();
+});
+
+$("#forget-token").addEventListener("click", () => {
+  sessionStorage.removeItem(TOKEN_KEY);
+  token = "";
+  $("#forget-token").hidden = true;
+  showLogin("");
+});
+
+// ------------------------------------------------------------------ routing and polling
+
+function stop() { if (timer) clearTimeout(timer); timer = null; }
+
+function schedule(fn, ms) { stop(); timer = setTimeout(fn, ms); }
+
+function route() {
+  stop();
+  generation += 1;
+  $("#forget-token").hidden = !token;
+  const m = location.hash.match(/^#\/jobs\/([^/?]+)/);
+  if (m) openJob(decodeURIComponent(m[1]));
+  else openList();
+}
+
+window.addEventListener("hashchange", route);
+
+// ------------------------------------------------------------------ the job list
+
+function openList() {
+  $("#view-job").hidden = true;
+  $("#view-list").hidden = false;
+  view = { kind: "list" };
+  refreshList(generation);
+}
+
+$("#state-filter").addEventListener("change", () => { if (view && view.kind === "list") route(); });
+
+async function refreshList(gen) {
+  try {
+    const state = $("#state-filter").value;
+    const page = await api(`/v1/jobs?limit=200${state ? "&state=" + state : ""}`);
+    if (gen !== generation) return;
+    showBanner("");
+    const body = $("#jobs tbody");
+    body.replaceChildren(...page.items.map((job) => {
+      const link = el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "name", text: job.name });
+      const row = el("tr", { class: "clickable", "data-job-id": job.id, "data-state": job.state },
+        el("td", { class: "job-cell" }, link, el("div", { class: "id mono", text: job.id })),
+        el("td", {}, badge(job.state)),
+        el("td", { text: shapeText(job.shape) }),
+        el("td", {}, progressCell(job)),
+        el("td", { class: "num", text: fmtNum(job.loss) }),
+        el("td", { class: "num", text: fmtSpeed(job.samples_per_s) }),
+        el("td", { class: "muted", text: fmtAgo(job.created_at), title: new Date(job.created_at * 1000).toString() }));
+      row.addEventListener("click", (e) => { if (e.target.tagName !== "A") location.hash = link.getAttribute("href"); });
+      return row;
+    }));
+    $("#jobs-empty").hidden = page.items.length > 0;
+    $("#jobs-total").textContent = page.total > page.items.length ? `${page.items.length} of ${page.total} jobs` : "";
+    setLive(true);
+  } catch (e) {
+    if (e.status === 401) return;
+    if (gen === generation) showBanner(`Could not load the jobs: ${e.message}`);
+  }
+  if (gen === generation) schedule(() => refreshList(gen), POLL_MS.list);
+}
+
+// ------------------------------------------------------------------ a job's page
+
+function openJob(id) {
+  $("#view-list").hidden = true;
+  $("#view-job").hidden = false;
+  view = { kind: "job", id, metrics: [], lastStep: 0, events: [], eventsAfter: 0, timelineKey: null,
+           pinned: null, job: null };
+  $("#job-name").textContent = id;
+  $("#job-id").textContent = id;
+  $("#events").replaceChildren();
+  $("#swimlane").replaceChildren(el("p", { class: "empty", text: "No step measured yet." }));
+  $("#timeline-step").replaceChildren(el("option", { value: "", text: "latest" }));
+  $("#util-measured").textContent = $("#util-plan").textContent = "–";
+  $("#loss-curve").replaceChildren();
+  $("#speed-curve").replaceChildren();
+  $("#job-error").hidden = true;
+  refreshJob(generation);
+}
+
+async function refreshJob(gen) {
+  const v = view;
+  let job;
+  try {
+    job = await api(`/v1/jobs/${encodeURIComponent(v.id)}`);
+    if (gen !== generation) return;
+    v.job = job;
+    showBanner("");
+    drawJobHead(job);
+    await loadMetrics(v);
+    await loadEvents(v);
+    if (gen !== generation) return;
+    drawCharts(v);
+    drawShape(job);
+    await loadTimeline(v, job, gen);
+    setLive(!TERMINAL.has(job.state));
+  } catch (e) {
+    if (e.status === 401 || gen !== generation) return;
+    if (e.status === 404) { showBanner(`No job ${v.id} (or it belongs to another tenant).`); return; }
+    showBanner(`Could not load job ${v.id}: ${e.message}`);
+  }
+  if (gen === generation) schedule(() => refreshJob(gen), job && TERMINAL.has(job.state) ? POLL_MS.ended : POLL_MS.active);
+}
+
+function drawJobHead(job) {
+  $("#job-name").textContent = job.name;
+  $("#job-id").textContent = job.id;
+  $("#job-state").replaceWith(Object.assign(badge(job.state), { id: "job-state" }));
+  $("#view-job").setAttribute("data-job-id", job.id);
+  $("#view-job").setAttribute("data-state", job.state);
+  $("#job-progress-bar").style.width = `${job.steps ? (100 * job.step) / job.steps : 0}%`;
+  $("#job-progress").textContent = `${job.step} / ${job.steps} steps`;
+  $("#job-loss").textContent = fmtNum(job.loss);
+  $("#job-speed").textContent = fmtSpeed(job.samples_per_s);
+  $("#job-shape").textContent = shapeText(job.shape);
+  const end = job.ended_at || Date.now() / 1000;
+  $("#job-time").textContent = job.started_at ? fmtDuration(end - job.started_at) : "not started";
+  $("#job-error").hidden = !job.error;
+  $("#job-error").textContent = job.error || "";
+  const cancel = $("#cancel");
+  if (!cancel.dataset.busy) cancel.disabled = TERMINAL.has(job.state);
+  document.title = `${job.name} · ${job.state} · relaytrain`;
+}
+
+async function loadMetrics(v) {
+  for (;;) {
+    const rows = await api(`/v1/jobs/${encodeURIComponent(v.id)}/metrics?after_step=${v.lastStep}&limit=10000`);
+    for (const r of rows) v.metrics.push(r);
+    if (rows.length) v.lastStep = rows[rows.length - 1].step;
+    if (rows.length < 10000) return;
+  }
+}
+
+async function loadEvents(v) {
+  const rows = await api(`/v1/jobs/${encodeURIComponent(v.id)}/events?after=${v.eventsAfter}`);
+  if (!rows.length) return;
+  v.eventsAfter = rows[rows.length - 1].id;
+  const list = $("#events");
+  for (const e of rows) {
+    v.events.push(e);
+    const msg = el("div", { class: "msg" }, e.message);
+    if (e.type === "reshape" && e.recovery_s != null) {
+      msg.append(el("span", { class: "recovery", text: `recovery ${Number(e.recovery_s).toFixed(2)} s` }));
+    }
+    if (e.detail) msg.append(el("details", {}, el("summary", { text: "details" }), el("pre", { text: String(e.detail) })));
+    const attrs = { "data-type": e.type, "data-id": String(e.id) };
+    if (e.recovery_s != null) attrs["data-recovery-s"] = String(e.recovery_s);
+    list.append(el("li", attrs, el("span", { class: "when", text: fmtClock(e.time), title: new Date(e.time * 1000).toString() }),
+      el("span", { class: "kind " + e.type, text: e.type.replace("_", " ") }), msg));
+  }
+  list.scrollTop = list.scrollHeight;
+}
+
+function drawShape(job) {
+  const shape = job.shape || {};
+  const body = $("#shape tbody");
+  if (shape.dp == null) {
+    $("#shape-summary").textContent = "The job has no shape yet (its workers are being placed).";
+    body.replaceChildren();
+    return;
+  }
+  $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule} with ` +
+    `${shape.microbatches_per_replica} microbatches per replica, transport ${shape.transport}` +
+    (shape.gpus_per_worker ? `, ${shape.gpus_per_worker} GPU per worker` : ", CPU workers");
+  const starts = [0];
+  for (const n of shape.partition || []) starts.push(starts[starts.length - 1] + n);
+  const rows = Object.entries(shape.workers || {}).map(([w, node]) => {
+    const s = Number(w.split(".")[1]);
+    const layers = shape.partition ? `stage ${s}: layers ${starts[s]}–${starts[s + 1] - 1}` : `stage ${s}`;
+    return el("tr", { "data-worker": w, "data-node": node || "" }, el("td", { class: "mono", text: w }),
+      el("td", { text: layers }), el("td", { class: "mono", text: node ? node.slice(0, 12) : "?", title: node || "" }));
+  });
+  body.replaceChildren(...rows);
+}
+
+// ------------------------------------------------------------------ the swimlane (rendered by the server)
+
+$("#timeline-step").addEventListener("change", (e) => {
+  if (!view || view.kind !== "job") return;
+  view.pinned = e.target.value ? Number(e.target.value) : null;
+  view.timelineKey = null;
+  loadTimeline(view, view.job, generation);
+});
+
+async function loadTimeline(v, job, gen) {
+  const key = v.pinned != null ? `pin:${v.pinned}` : `${job.step}:${job.state}`;
+  if (key === v.timelineKey) return;
+  let text;
+  try {
+    const q = v.pinned != null ? `?step=${v.pinned}` : "";
+    text = await api(`/v1/jobs/${encodeURIComponent(v.id)}/timeline.svg${q}`, { as: "text" });
+  } catch (e) {
+    if (e.status === 404) {
+      $("#swimlane").replaceChildren(el("p", { class: "empty", text: job.step ? e.message : "No step measured yet." }));
+      v.timelineKey = key;
+      return;
+    }
+    throw e;
+  }
+  if (gen !== generation) return;
+  const doc = new DOMParser().parseFromString(text, "image/svg+xml");
+  const root = doc.documentElement;
+  if (root.nodeName !== "svg") throw new Error("the timeline is not an SVG");
+  $("#swimlane").replaceChildren(document.importNode(root, true));
+  v.timelineKey = key;
+  $("#util-measured").textContent = fmtPct(root.getAttribute("data-utilization"));
+  $("#util-plan").textContent = fmtPct(root.getAttribute("data-utilization-plan"));
+  const steps = (root.getAttribute("data-available") || "").split(" ").filter(Boolean);
+  const select = $("#timeline-step");
+  const current = select.value;
+  select.replaceChildren(el("option", { value: "", text: `latest (${root.getAttribute("data-step")})` }),
+    ...steps.reverse().map((s) => el("option", { value: s, text: `step ${s}` })));
+  select.value = steps.includes(current) ? current : "";
+}
+
+// ------------------------------------------------------------------ curves
+
+function drawCharts(v) {
+  const reshapes = v.events.filter((e) => e.type === "reshape" && e.step != null);
+  lineChart($("#loss-curve"), v.metrics, "loss", { color: "#3a62c4", fmt: fmtNum, reshapes, id: "loss" });
+  lineChart($("#speed-curve"), v.metrics, "samples_per_s", { color: "#2f855a", fmt: fmtSpeed, reshapes, id: "speed" });
+}
+
+function niceTicks(lo, hi, n = 5) {
+  if (hi === lo) { hi = lo + (Math.abs(lo) || 1) * 0.1; lo = lo - (Math.abs(lo) || 1) * 0.1; }
+  const raw = (hi - lo) / n, mag = 10 ** Math.floor(Math.log10(raw));
+  const step = [1, 2, 2.5, 5, 10].map((k) => k * mag).find((s) => s >= raw) || 10 * mag;
+  const ticks = [];
+  for (let t = Math.ceil(lo / step) * step; t <= hi + step * 1e-9; t += step) ticks.push(Number(t.toPrecision(12)));
+  return { lo: Math.min(lo, ticks[0]), hi: Math.max(hi, ticks[ticks.length - 1]), ticks };
+}
+
+const MAX_MARKERS = 600;  // beyond this many steps the curve is drawn as a line only
+
+function lineChart(box, rows, key, { color, fmt, reshapes, id }) {
+  const pts = rows.filter((r) => r[key] != null && Number.isFinite(r[key]));
+  if (!pts.length) { box.replaceChildren(el("p", { class: "empty", text: "No committed step yet." })); return; }
+  const W = 560, H = 240, L = 58, R = 14, T = 12, B = 34;
+  const x0 = pts[0].step, x1 = Math.max(pts[pts.length - 1].step, x0 + 1);
+  const ys = niceTicks(Math.min(...pts.map((p) => p[key])), Math.max(...pts.map((p) => p[key])));
+  const X = (s) => L + ((s - x0) / (x1 - x0)) * (W - L - R);
+  const Y = (y) => T + (1 - (y - ys.lo) / (ys.hi - ys.lo)) * (H - T - B);
+  const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, id: `${id}-svg`, "data-points": String(pts.length),
+                            "font-family": "system-ui, sans-serif", role: "img", "aria-label": `${key} over steps` });
+  for (const t of ys.ticks) {
+    root.append(svg("line", { x1: L, x2: W - R, y1: Y(t), y2: Y(t), stroke: "#eceff3" }));
+    root.append(svg("text", { x: L - 8, y: Y(t) + 4, "text-anchor": "end", "font-size": 11, fill: "#7b8794" }, fmt(t)));
+  }
+  const xs = niceTicks(x0, x1, 6);
+  for (const t of xs.ticks.filter((t) => t >= x0 && t <= x1 && Number.isInteger(t))) {
+    root.append(svg("text", { x: X(t), y: H - B + 16, "text-anchor": "middle", "font-size": 11, fill: "#7b8794" }, String(t)));
+  }
+  root.append(svg("text", { x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#7b8794" }, "step"));
+  for (const e of reshapes) {
+    if (e.step < x0 || e.step > x1) continue;
+    const g = svg("g", { "data-reshape": String(e.step) });
+    g.append(svg("line", { x1: X(e.step), x2: X(e.step), y1: T, y2: H - B, stroke: "#6b46c1", "stroke-dasharray": "4 3" }));
+    g.append(svg("title", {}, `step ${e.step}: ${e.message}`));
+    root.append(g);
+  }
+  root.append(svg("polyline", { points: pts.map((p) => `${X(p.step).toFixed(1)},${Y(p[key]).toFixed(1)}`).join(" "),
+                                fill: "none", stroke: color, "stroke-width": 1.8, "stroke-linejoin": "round" }));
+  if (pts.length <= MAX_MARKERS) {
+    const r = pts.length > 150 ? 1.6 : 2.6;
+    for (const p of pts) {
+      const c = svg("circle", { cx: X(p.step).toFixed(1), cy: Y(p[key]).toFixed(1), r, fill: color,
+                                class: "point", "data-step": String(p.step) });
+      c.append(svg("title", {}, `step ${p.step}: ${fmt(p[key])}${p.rerun ? " (re-run)" : ""}`));
+      root.append(c);
+    }
+  }
+  box.replaceChildren(root);
+}
+
+// ------------------------------------------------------------------ cancel
+
+$("#cancel").addEventListener("click", async () => {
+  const v = view;
+  if (!v || v.kind !== "job" || !v.job) return;
+  if (!confirm(`Cancel job ${v.job.id}? It stops at its next step boundary.`)) return;
+  const button = $("#cancel");
+  button.disabled = true;
+  button.dataset.busy = "1";
+  button.textContent = "Cancelling…";
+  try {
+    await api(`/v1/jobs/${encodeURIComponent(v.id)}/cancel`, { method: "POST" });
+  } catch (e) {
+    if (e.status !== 401) showBanner(`Could not cancel: ${e.message}`);
+  } finally {
+    delete button.dataset.busy;
+    button.textContent = "Cancel job";
+  }
+  if (view === v) { stop(); refreshJob(generation); }
+});
+
+route();

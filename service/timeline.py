@@ -1,0 +1,278 @@
+"""Measured step timelines: what each worker did when, as data, a check and an SVG swimlane.
+
+A worker reports, for each step, ``(action, start, end)`` per action it ran (wall-clock
+seconds around the action's compute; waiting for a neighbour's activation or gradient is
+outside the box, so it shows as idle).  The scheduler keeps the newest steps in memory and
+hands one now and then (at most one a second, and the last before the job's state changes)
+to the job store, which keeps a ring of the newest :data:`RING` per job.  Everything here is
+pure: plain data in, plain data (or SVG text) out, tested without Ray.
+
+The stored entry (:func:`record`)::
+
+    {"step": 37, "start": 1763.2, "dp": 2, "pp": 2, "schedule": "1f1b", "microbatches_per_replica": 2,
+     "nodes": {"w0.0": "3f2a...", ...}, "workers": {"w0.0": [["0F0", 0.0, 0.0041], ...], ...}}
+
+(times relative to the step's first action).  :func:`view` turns it into the JSON of
+``GET /v1/jobs/{id}/timeline``; :func:`render_svg` into the swimlane picture the web page,
+``GET /v1/jobs/{id}/timeline.svg`` and ``relaytrain timeline --out`` show.
+"""
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Iterable, Optional
+from xml.sax.saxutils import escape, quoteattr
+
+from service import schedules
+
+RING = 16         # timelines kept per job in the store (the newest written)
+EVERY_S = 1.0     # at most one timeline written per this many seconds, plus the last before a state change
+
+_WORKER_RE = re.compile(r"^w(\d+)\.(\d+)$")
+
+
+def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
+    """The compact entry of one committed step: ``workers`` maps ``w<dp>.<pp>`` to the
+    worker's ``(action, start, end)`` list; ``shape`` is the scheduler's shape dict."""
+    t_min = min((float(t0) for acts in workers.values() for _, t0, _ in acts), default=0.0)
+    return {"step": int(step), "start": t_min, "dp": shape.get("dp"), "pp": shape.get("pp"),
+            "schedule": shape.get("schedule"), "microbatches_per_replica": shape.get("microbatches_per_replica"),
+            "nodes": dict(shape.get("workers") or {}),
+            "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
+                        for w, acts in workers.items()}}
+
+
+def parse_worker(name: str) -> tuple[int, int]:
+    m = _WORKER_RE.match(name)
+    if not m:
+        raise ValueError(f"not a worker name: {name!r} (write it like 'w0.1')")
+    return int(m.group(1)), int(m.group(2))
+
+
+def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int) -> list[str]:
+    """The actions worker (dp_rank, pp_rank) runs, in the plan's order, with global microbatch
+    ids (replica r runs microbatches ``[r*m, (r+1)*m)``)."""
+    m = microbatches_per_replica
+    plan = schedules.build(schedule, pp, m)
+    return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in plan.order[pp_rank]]
+
+
+def check(entry: dict) -> list[str]:
+    """What is wrong with a measured timeline, as sentences (empty: nothing): a lane missing or
+    extra, a worker whose actions are not the plan's in the plan's order, a box that ends
+    before it starts, two boxes of one worker that overlap."""
+    problems = []
+    dp, pp = entry["dp"], entry["pp"]
+    want = {f"w{r}.{s}" for r in range(dp) for s in range(pp)}
+    got = set(entry["workers"])
+    if got != want:
+        problems.append(f"lanes {sorted(got)} are not the {dp}x{pp} shape's {sorted(want)}")
+    for w in sorted(got & want):
+        r, s = parse_worker(w)
+        acts = entry["workers"][w]
+        order = [a for a, _, _ in acts]
+        plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s)
+        if order != plan:
+            problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
+        for a, t0, t1 in acts:
+            if t1 < t0:
+                problems.append(f"{w} {a} ends before it starts ({t0:.6f} > {t1:.6f})")
+        for (a, _, end_a), (b, start_b, _) in zip(acts, acts[1:]):
+            if start_b < end_a:
+                problems.append(f"{w} {b} starts at {start_b:.6f}, before {a} ends at {end_a:.6f}")
+    return problems
+
+
+def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2) -> float:
+    """The plan's ideal utilization (busy area / total area), backward = 2 x forward as in the
+    ``bubble_plan`` metric and ``relaytrain schedule``."""
+    return float(schedules.simulate(schedules.build(schedule, pp, microbatches_per_replica), backward_cost).utilization)
+
+
+def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) -> dict:
+    """The JSON of ``GET /v1/jobs/{id}/timeline``: one lane per worker in (dp, pp) order, each
+    box with its start and end (seconds from the step's first action), the measured
+    utilization (per replica: busy time / (stages x its span), averaged) beside the plan's."""
+    lanes = []
+    for w in sorted(entry["workers"], key=parse_worker):
+        r, s = parse_worker(w)
+        boxes = []
+        for a, t0, t1 in entry["workers"][w]:
+            act = schedules.Action.parse(a)
+            boxes.append({"action": a, "kind": act.kind, "mb": act.mb, "start": t0, "end": t1})
+        lanes.append({"worker": w, "dp_rank": r, "pp_rank": s, "node": (entry.get("nodes") or {}).get(w),
+                      "busy_s": sum(b["end"] - b["start"] for b in boxes), "actions": boxes})
+    per_replica: dict[int, list[dict]] = {}
+    for lane in lanes:
+        per_replica.setdefault(lane["dp_rank"], []).append(lane)
+    utils = []
+    for replica in per_replica.values():
+        boxes = [b for lane in replica for b in lane["actions"]]
+        if not boxes:
+            continue
+        span = max(b["end"] for b in boxes) - min(b["start"] for b in boxes)
+        utils.append(sum(lane["busy_s"] for lane in replica) / (entry["pp"] * span) if span > 0 else 1.0)
+    span = max((b["end"] for lane in lanes for b in lane["actions"]), default=0.0)
+    try:
+        plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"])
+    except (ValueError, TypeError):
+        plan = None
+    return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
+            "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"],
+            "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
+            "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
+            "utilization_plan": plan, "lanes": lanes}
+
+
+def steps_text(steps: list[int]) -> str:
+    """``[3, 4, 5, 9]`` -> ``'3-5, 9'``."""
+    out, steps = [], sorted(steps)
+    i = 0
+    while i < len(steps):
+        j = i
+        while j + 1 < len(steps) and steps[j + 1] == steps[j] + 1:
+            j += 1
+        out.append(str(steps[i]) if i == j else f"{steps[i]}-{steps[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+# ---------------------------------------------------------------- the picture
+
+PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
+           "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6", "#8cd17d", "#d37295"]
+
+
+def colour(mb: int, kind: str) -> str:
+    """Microbatch ``mb``'s colour: forward in its light shade, backward in its dark one."""
+    base = PALETTE[mb % len(PALETTE)]
+    r, g, b = (int(base[i:i + 2], 16) for i in (1, 3, 5))
+    if kind == "F":  # toward white
+        r, g, b = (int(c + (255 - c) * 0.35) for c in (r, g, b))
+    else:            # toward black
+        r, g, b = (int(c * 0.78) for c in (r, g, b))
+    return f"#{r:02x}{g:02x}{b:02x}"
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1000
+    return f"{ms:.0f} ms" if ms >= 100 else f"{ms:.1f} ms" if ms >= 1 else f"{ms:.2f} ms"
+
+
+def _tick_step(span_ms: float, target: int = 8) -> float:
+    raw = max(span_ms, 1e-6) / target
+    mag = 10 ** math.floor(math.log10(raw))
+    for k in (1, 2, 2.5, 5, 10):
+        if raw <= k * mag:
+            return k * mag
+    return 10 * mag
+
+
+def _pct(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x:.1%}"
+
+
+def render_svg(v: dict, width: int = 960, title: Optional[str] = None) -> str:
+    """The swimlane of :func:`view`'s ``v`` as a standalone SVG document: a lane per worker
+    (labelled ``w<dp>.<pp>`` and its node), a box per action at its measured start and end,
+    coloured by microbatch (forward light, backward dark), idle time hatched.  Elements carry
+    ``data-lane``, ``data-action`` and ``data-idle`` so pages and tests can find them."""
+    left, right, top, lane_h, gap = 150, 16, 58, 30, 8
+    lanes = v["lanes"]
+    plot_w = width - left - right
+    height = top + len(lanes) * (lane_h + gap) + 44
+    span = v["span_s"] or 1e-9
+    sx = plot_w / span
+
+    def x(t: float) -> float:
+        return round(left + t * sx, 2)
+
+    head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
+                     f"{v['schedule']}, {v['microbatches_per_replica']} microbatches per replica")
+    util = (f"measured utilization {_pct(v['utilization'])}  ·  plan {_pct(v['utilization_plan'])} "
+            f"(backward = 2 x forward)  ·  step span {_ms(v['span_s'])}")
+    available = " ".join(str(s) for s in v.get("available", []))
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="swimlane" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" data-step="{v["step"]}" data-lanes="{len(lanes)}" '
+        f'data-utilization="{v["utilization"] if v["utilization"] is not None else ""}" '
+        f'data-utilization-plan="{v["utilization_plan"] if v["utilization_plan"] is not None else ""}" '
+        f'data-available="{available}" font-family="system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif">',
+        "<defs>",
+        '<pattern id="rt-idle" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
+        '<rect width="6" height="6" fill="#f6f7f9"/><line x1="0" y1="0" x2="0" y2="6" stroke="#d5d9e0" '
+        'stroke-width="2"/></pattern>',
+        "</defs>",
+        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
+        f'<text x="{left}" y="22" font-size="14" font-weight="600" fill="#1f2933">{escape(head)}</text>',
+        f'<text x="{left}" y="42" font-size="12" fill="#52606d" class="utilization">{escape(util)}</text>',
+    ]
+    # time axis: grid lines and labels in ms
+    step_ms = _tick_step(span * 1000)
+    axis_y = top + len(lanes) * (lane_h + gap) + 4
+    t = 0.0
+    while t <= span * 1000 + 1e-9:
+        gx = x(t / 1000)
+        out.append(f'<line x1="{gx}" y1="{top - 4}" x2="{gx}" y2="{axis_y}" stroke="#eceff3" stroke-width="1"/>')
+        label = f"{t:g}" if step_ms >= 1 else f"{t:.2f}"
+        out.append(f'<text x="{gx}" y="{axis_y + 14}" font-size="10" fill="#7b8794" text-anchor="middle">{label}</text>')
+        t += step_ms
+    out.append(f'<text x="{left + plot_w}" y="{axis_y + 30}" font-size="10" fill="#7b8794" text-anchor="end">'
+               f'ms since the step\'s first action</text>')
+    for i, lane in enumerate(lanes):
+        y = top + i * (lane_h + gap)
+        node = lane.get("node") or ""
+        busy = lane["busy_s"] / span if span > 0 else 0.0
+        out.append(f'<g class="lane" data-lane={quoteattr(lane["worker"])} data-node={quoteattr(node)} '
+                   f'data-actions="{len(lane["actions"])}">')
+        out.append(f'<text x="10" y="{y + 13}" font-size="13" font-weight="600" fill="#1f2933">'
+                   f'{escape(lane["worker"])}</text>')
+        out.append(f'<text x="10" y="{y + 26}" font-size="10" fill="#7b8794">'
+                   f'{escape(("node " + node[:8]) if node else "node ?")} · busy {busy:.0%}</text>')
+        # idle: the gaps between boxes within the step's span
+        cursor = 0.0
+        for b in lane["actions"] + [{"start": span, "end": span}]:
+            if b["start"] > cursor:
+                out.append(f'<rect class="idle" data-idle="1" x="{x(cursor)}" y="{y}" '
+                           f'width="{max(0.0, round((b["start"] - cursor) * sx, 2))}" height="{lane_h}" '
+                           f'fill="url(#rt-idle)"><title>idle {_ms(b["start"] - cursor)}</title></rect>')
+            cursor = max(cursor, b["end"])
+        for b in lane["actions"]:
+            bx, bw = x(b["start"]), max(1.0, round((b["end"] - b["start"]) * sx, 2))
+            fill = colour(b["mb"], b["kind"])
+            tip = (f'{lane["worker"]} {b["action"]} ({"forward" if b["kind"] == "F" else "backward"} of microbatch '
+                   f'{b["mb"]}): {_ms(b["end"] - b["start"])}, from +{_ms(b["start"])}')
+            out.append(f'<rect class="action" data-action={quoteattr(b["action"])} data-mb="{b["mb"]}" '
+                       f'data-kind="{b["kind"]}" data-start="{b["start"]}" data-end="{b["end"]}" x="{bx}" y="{y}" '
+                       f'width="{bw}" height="{lane_h}" rx="3" fill="{fill}" stroke="#ffffff" stroke-width="1">'
+                       f'<title>{escape(tip)}</title></rect>')
+            if bw >= 7 * len(b["action"]) + 4:
+                ink = "#1f2933" if b["kind"] == "F" else "#ffffff"
+                out.append(f'<text x="{round(bx + bw / 2, 2)}" y="{y + lane_h / 2 + 4}" font-size="11" '
+                           f'text-anchor="middle" fill="{ink}" pointer-events="none">{escape(b["action"])}</text>')
+        out.append("</g>")
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
+
+
+def summary(v: dict) -> str:
+    """The timeline as text (``relaytrain timeline`` without ``--out``)."""
+    lines = [f"step {v['step']}  shape {v['dp']}x{v['pp']} {v['schedule']}, {v['microbatches_per_replica']} microbatches "
+             f"per replica  span {_ms(v['span_s'])}  measured utilization {_pct(v['utilization'])}, "
+             f"plan {_pct(v['utilization_plan'])}"]
+    for lane in v["lanes"]:
+        node = (lane.get("node") or "?")[:8]
+        acts = " ".join(f"{b['action']}@{b['start'] * 1000:.1f}+{(b['end'] - b['start']) * 1000:.1f}"
+                        for b in lane["actions"])
+        lines.append(f"{lane['worker']:<6} node {node}  busy {_ms(lane['busy_s'])}  {acts}")
+    lines.append(f"steps kept: {steps_text(v.get('available', []))}  (ms: action@start+duration)")
+    return "\n".join(lines)
+
+
+def jsonable(entry: Any) -> Any:
+    """Tuples to lists (what a JSON column gives back), for comparing with a stored entry."""
+    if isinstance(entry, dict):
+        return {k: jsonable(v) for k, v in entry.items()}
+    if isinstance(entry, (list, tuple)):
+        return [jsonable(v) for v in entry]
+    return entry
