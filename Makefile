@@ -5,7 +5,9 @@ PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.relaytrain-installed
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: example test venv bench serve clean
+CHROMIUM := /usr/bin/chromium
+
+.PHONY: example test venv bench serve clean chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -18,8 +20,19 @@ venv: $(STAMP)
 example: $(STAMP)
 	$(VENV)/bin/relaytrain run examples/digits_mlp.yaml --out out/digits-mlp
 
-test: $(STAMP)
+test: $(STAMP) chromium
 	$(PY) -m pytest -q
+
+# The web page's test drives Debian's chromium through Playwright (never a downloaded
+# browser): installed here where apt-get can; elsewhere that test is skipped, saying why.
+chromium:
+	@if [ ! -x $(CHROMIUM) ] && command -v apt-get >/dev/null 2>&1; then \
+	  echo "make: installing chromium for the web page's test (apt-get install -y chromium)"; \
+	  export DEBIAN_FRONTEND=noninteractive; \
+	  apt-get install -y -q chromium >/dev/null 2>&1 || \
+	  { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1; } || \
+	  echo "make: !!! could not install chromium (not root, or no package index): the web page's test will be skipped !!!"; \
+	fi
 
 serve: $(STAMP)
 	$(VENV)/bin/relaytrain serve

@@ -42,6 +42,8 @@ DEFINITIONS = (
     MetricDef("relaytrain_job_recovery_seconds", "histogram",
               "seconds from detecting a change (lost, draining or joining node) to the new shape's first commit",
               (0.5, 1, 2, 5, 10, 30, 60, 120, 300)),
+    MetricDef("relaytrain_job_last_recovery_seconds", "gauge",
+              "the last reshape's recovery seconds, exact (Ray exports a histogram's sum from bucket midpoints)"),
 )
 BY_NAME = {d.name: d for d in DEFINITIONS}
 
@@ -95,5 +97,6 @@ class JobMetrics:
         try:
             self.m["relaytrain_job_reshapes_total"].inc(1, tags=self.tags)
             self.m["relaytrain_job_recovery_seconds"].observe(float(recovery_s), tags=self.tags)
+            self._set("relaytrain_job_last_recovery_seconds", recovery_s)
         except Exception as e:
             print(f"relaytrain: recording job metrics failed: {e}", file=sys.stderr)

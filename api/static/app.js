@@ -223,7 +223,8 @@ async function refreshJob(gen) {
     await loadMetrics(v);
     await loadEvents(v);
     if (gen !== generation) return;
-    drawCharts(v);
+    const drawn = `${v.metrics.length}:${v.events.length}`;
+    if (drawn !== v.drawn) { drawCharts(v); v.drawn = drawn; }
     drawShape(job);
     await loadTimeline(v, job, gen);
     setLive(!TERMINAL.has(job.state));
@@ -363,7 +364,7 @@ function niceTicks(lo, hi, n = 5) {
   return { lo: Math.min(lo, ticks[0]), hi: Math.max(hi, ticks[ticks.length - 1]), ticks };
 }
 
-const MAX_MARKERS = 600;  // beyond this many steps the curve is drawn as a line only
+const MAX_MARKERS = 5000;  // a marker per step up to this many; beyond, the line only
 
 function lineChart(box, rows, key, { color, fmt, reshapes, id }) {
   const pts = rows.filter((r) => r[key] != null && Number.isFinite(r[key]));
@@ -394,7 +395,7 @@ function lineChart(box, rows, key, { color, fmt, reshapes, id }) {
   root.append(svg("polyline", { points: pts.map((p) => `${X(p.step).toFixed(1)},${Y(p[key]).toFixed(1)}`).join(" "),
                                 fill: "none", stroke: color, "stroke-width": 1.8, "stroke-linejoin": "round" }));
   if (pts.length <= MAX_MARKERS) {
-    const r = pts.length > 150 ? 1.6 : 2.6;
+    const r = pts.length > 1000 ? 1.2 : pts.length > 150 ? 1.8 : 2.6;
     for (const p of pts) {
       const c = svg("circle", { cx: X(p.step).toFixed(1), cy: Y(p[key]).toFixed(1), r, fill: color,
                                 class: "point", "data-step": String(p.step) });
