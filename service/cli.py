@@ -73,6 +73,9 @@ def _serve(args) -> int:
         where = make_url(settings.db_url).render_as_string(hide_password=True)  # never print a password
         print(f"relaytrain serve: cannot open the job store at {where}: {e}", file=sys.stderr)
         return 2
+    shown = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
+    print(f"relaytrain serve: the web page is at http://{shown}:{settings.port}/ (the API's OpenAPI page at /docs)",
+          file=sys.stderr)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 

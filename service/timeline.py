@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 from xml.sax.saxutils import escape, quoteattr
 
 from service import schedules
@@ -268,11 +268,3 @@ def summary(v: dict) -> str:
     lines.append(f"steps kept: {steps_text(v.get('available', []))}  (ms: action@start+duration)")
     return "\n".join(lines)
 
-
-def jsonable(entry: Any) -> Any:
-    """Tuples to lists (what a JSON column gives back), for comparing with a stored entry."""
-    if isinstance(entry, dict):
-        return {k: jsonable(v) for k, v in entry.items()}
-    if isinstance(entry, (list, tuple)):
-        return [jsonable(v) for v in entry]
-    return entry

@@ -2,7 +2,7 @@
 the store's ring, the scheduler's sink throttle, and the API routes in-process."""
 from __future__ import annotations
 
-import time
+import copy
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from service import schedules, timeline
 from service.states import JobState
 from service.store import Store
+from tests.test_store import postgres_url  # noqa: F401  (the module's throwaway PostgreSQL)
 
 SVG = "{http://www.w3.org/2000/svg}"
 
@@ -67,20 +68,20 @@ def test_planned_order_uses_global_microbatch_ids(schedule):
 def test_check_accepts_the_plan_and_names_what_is_wrong():
     e = timeline.record(1, shape(), fake_workers())
     assert timeline.check(e) == []
-    swapped = timeline.jsonable(e)
+    swapped = copy.deepcopy(e)
     acts = swapped["workers"]["w1.0"]
     acts[1][0], acts[2][0] = acts[2][0], acts[1][0]
     assert timeline.check(swapped) == [f"w1.0 ran {' '.join(a for a, _, _ in acts)}; the plan is "
                                        "0F3 0F4 0B3 0F5 0B4 0B5"]
-    overlap = timeline.jsonable(e)
+    overlap = copy.deepcopy(e)
     a, b = overlap["workers"]["w0.1"][0], overlap["workers"]["w0.1"][1]
     b[1] = a[2] - 0.001
     assert timeline.check(overlap) == [f"w0.1 {b[0]} starts at {b[1]:.6f}, before {a[0]} ends at {a[2]:.6f}"]
-    missing = timeline.jsonable(e)
+    missing = copy.deepcopy(e)
     del missing["workers"]["w1.1"]
     assert timeline.check(missing) == ["lanes ['w0.0', 'w0.1', 'w1.0'] are not the 2x2 shape's "
                                        "['w0.0', 'w0.1', 'w1.0', 'w1.1']"]
-    backwards = timeline.jsonable(e)
+    backwards = copy.deepcopy(e)
     backwards["workers"]["w0.0"][0][2] = -1.0
     assert "w0.0 0F0 ends before it starts" in timeline.check(backwards)[0]
 
@@ -144,8 +145,17 @@ def make_store(tmp_path, *jobs):
     return store
 
 
-def test_store_keeps_a_ring_of_the_newest_timelines(tmp_path):
-    store = make_store(tmp_path, ("a", "t"), ("b", "t"))
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'db.sqlite'}"
+    return request.getfixturevalue("postgres_url")  # a throwaway server (tests/test_store.py), skipped without it
+
+
+def test_store_keeps_a_ring_of_the_newest_timelines(store_url):
+    store = Store(store_url)
+    for job_id in ("a", "b"):
+        store.create_job(job_id, "t", {"name": job_id, "training": {"steps": 100}})
     for step in range(1, 21):
         store.put_timeline("a", {"step": step, "x": step}, keep=16)
     store.put_timeline("b", {"step": 1, "x": "b"}, keep=16)

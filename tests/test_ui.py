@@ -33,8 +33,10 @@ def server(ray_session, tmp_path_factory):
 @pytest.fixture(scope="module")
 def job(server):
     """A 2x2 1F1B job that trains until cancelled, once its first timelines are kept."""
+    # wide enough that an action's compute (~1 ms) shows beside the hops between stages
     spec = small_spec("swimlane", steps=100000, parallelism={"dp": DP, "pp": PP, "schedule": "1f1b"},
-                      training={"global_batch_size": 32, "microbatch_size": 32 // M, "steps": 100000, "seed": 1})
+                      model={"kind": "mlp", "args": {"hidden": 768, "layers": 3}},
+                      training={"global_batch_size": 64, "microbatch_size": 64 // M, "steps": 100000, "seed": 1})
     with server.client() as c:
         r = c.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
@@ -140,12 +142,17 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             page.screenshot(path=str(ARTIFACTS / "ui-jobs.png"))
 
             row.locator("a").click()
-            page.wait_for_selector("#swimlane svg g[data-lane]")
-            page.wait_for_selector("#loss-curve circle[data-step]")
+            first = page.wait_for_selector("#swimlane svg[data-step]").get_attribute("data-step")
+            points = page.locator("#loss-curve circle[data-step]").count()
+            # the page follows the running job: a newer step's swimlane, more points
+            # (functions, not expressions: the page's Content-Security-Policy forbids eval)
+            page.wait_for_function("s => document.querySelector('#swimlane svg').dataset.step !== s", arg=first)
+            page.wait_for_function("n => document.querySelectorAll('#loss-curve circle[data-step]').length > n",
+                                   arg=points)
             assert page.locator("#cancel").is_enabled()
             page.locator("#cancel").click()
             page.wait_for_selector('#view-job[data-state="CANCELLED"]')
-            page.wait_for_function("document.querySelector('#cancel').disabled")
+            page.wait_for_function("() => document.querySelector('#cancel').disabled")
 
             with server.client() as c:
                 job_row = c.get(f"/v1/jobs/{job}").json()
