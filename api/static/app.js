@@ -288,8 +288,10 @@ async function loadEvents(v) {
 function drawShape(job) {
   const shape = job.shape || {};
   const body = $("#shape tbody");
+  $("#shape").hidden = shape.dp == null;
   if (shape.dp == null) {
-    $("#shape-summary").textContent = "The job has no shape yet (its workers are being placed).";
+    $("#shape-summary").textContent = TERMINAL.has(job.state) ? "The job ended before its workers were placed."
+      : "The job has no shape yet (its workers are being placed).";
     body.replaceChildren();
     return;
   }
