@@ -1,0 +1,118 @@
+"""relaytrain as a contestant of bench/peers.py: a job run by its real JobScheduler and
+StageWorkers, held at a step boundary between the bench's rounds.
+
+``GatedScheduler`` is the engine's ``JobScheduler`` with one addition: after a step's
+metrics row is made it publishes the row and waits until the bench allows the next step.
+The row's ``time`` is taken by the scheduler when the step's results are in, so the
+difference between two rows of one round is the whole cycle of a step as the scheduler
+drives it: dispatch to both workers, their work (including the deferred optimizer step of
+the previous step), the gather and the row.  The first step of each round (after the wait)
+is the round's warm-up and is not timed.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from typing import Optional
+
+import ray
+
+from actors.scheduler import NAMESPACE, JobScheduler
+from service.runner import _stop, scheduler_placement
+from service.states import JobState
+
+
+class GatedScheduler(JobScheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._allowed = 0
+        self._rows: list[dict] = []
+        self._gate = threading.Condition()
+
+    def allow(self, steps: int) -> bool:
+        """Let the job run until ``steps`` steps are done."""
+        with self._gate:
+            self._allowed = steps
+            self._gate.notify_all()
+        return True
+
+    def rows(self, steps: int, timeout: float = 600.0) -> dict:
+        """The rows of the first ``steps`` steps, once they are done (or the job ended)."""
+        deadline = time.monotonic() + timeout
+        with self._gate:
+            while len(self._rows) < steps and time.monotonic() < deadline:
+                if self.state in (JobState.FAILED, JobState.CANCELLED):
+                    break
+                self._gate.wait(0.5)
+            return {"rows": list(self._rows[:steps]), "state": self.state.value, "error": self.error}
+
+    def params(self) -> dict:
+        """The whole model's parameters at the step the job is held at."""
+        with self._gate:
+            committed = len(self._rows)
+        return self._collect_state(committed)[0]
+
+    def _metrics_row(self, step: int, stats: dict, wall: float, B: int) -> dict:
+        row = super()._metrics_row(step, stats, wall, B)
+        span = max(s["end"] for s in stats.values()) - min(s["start"] for s in stats.values())
+        extra = {"work_span_s": span,
+                 "workers": {f"w{r}.{s}": {k: st[k] for k in ("busy", "start", "pipe_end", "end", "allreduce_s")}
+                             for (r, s), st in sorted(stats.items())}}
+        with self._gate:
+            self._rows.append({**row, **extra})
+            self._gate.notify_all()
+            while self._allowed <= step + 1 < self.spec.training.steps and not self._cancel.is_set():
+                self._gate.wait(1.0)
+        return row
+
+
+class Relaytrain:
+    """One relaytrain job of ``steps`` steps whose steps the bench releases a few at a time."""
+
+    def __init__(self, spec, steps: int):
+        self.spec = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": steps})})
+        self.job_id = f"peers-{uuid.uuid4().hex[:8]}"
+        self.done = 0
+        self.sched = None
+        self.run_ref = None
+
+    def start(self) -> None:
+        self.sched = ray.remote(GatedScheduler).options(
+            name=f"relaytrain:{self.job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
+            **scheduler_placement(),
+        ).remote(self.job_id, self.spec.model_dump(mode="json"), [], None, None, 300.0)
+        self.run_ref = self.sched.run.remote()
+
+    def run(self, n: int) -> list[dict]:
+        self.done += n
+        ray.get(self.sched.allow.remote(self.done))
+        got = ray.get(self.sched.rows.remote(self.done))
+        if len(got["rows"]) < self.done:
+            raise RuntimeError(f"relaytrain job {self.job_id} stopped at step {len(got['rows'])} "
+                               f"({got['state']}): {got['error']}")
+        rows = got["rows"][self.done - n:]
+        return [{"end": r["time"], "loss": r["loss"], "bubble": r["bubble"] if r["pp"] > 1 else None,
+                 "bubble_plan": r["bubble_plan"] if r["pp"] > 1 else None, "scheduler_wall_s": r["step_time_s"],
+                 "work_span_s": r["work_span_s"], "allreduce_s": r["allreduce_s"], "workers": r["workers"]}
+                for r in rows]
+
+    def params(self) -> dict:
+        return ray.get(self.sched.params.remote())
+
+    def stop(self, finish: bool = True) -> Optional[dict]:
+        """Let the job run its last steps and end (or cancel it), then remove its actors."""
+        final = None
+        if self.sched is None:
+            return None
+        try:
+            if finish:
+                ray.get(self.sched.allow.remote(self.spec.training.steps))
+                final = ray.get(self.run_ref, timeout=120)
+            else:
+                ray.get(self.sched.cancel.remote())
+        except Exception:
+            pass
+        _stop(self.sched, self.job_id)
+        self.sched = None
+        return final
