@@ -121,3 +121,98 @@ class Group:
                 pass
         self.backend = None
         gc.collect()  # frees ProcessGroupGloo objects nobody references any more
+
+
+
+class GradBuckets:
+    """The data-parallel gradient all-reduce (SUM) of one stage, in buckets whose flat
+    buffers the gradients accumulate into directly (DDP's ``gradient_as_bucket_view``): no
+    copy into or out of the all-reduce.
+
+    The stage's parameters are cut into buckets of at most ``bucket_bytes``, last layer
+    first (the order in which backward finishes their gradients).  ``attach`` (at the start
+    of a step) zeroes the buffers and points each ``.grad`` into its bucket, so every
+    backward of the step accumulates there.  With ``overlap``, while the step's last
+    backward runs (``arm``), a hook on each parameter counts its gradient in, and a bucket
+    whose gradients are all final is all-reduced asynchronously while backward goes on, as
+    DDP does; buckets are launched in index order, so every replica issues the same
+    collectives in the same order.  ``finish`` launches what is left and waits.  The sum of
+    two replicas is the same in any bucketing; with more, the reduction order may differ
+    from one flat all-reduce by float rounding.
+    """
+
+    def __init__(self, params: list, group, bucket_bytes: int, overlap: bool):
+        import torch
+
+        self.params, self.group, self.overlap = [p for p in params if p.requires_grad], group, overlap
+        self.buckets: list[list] = []
+        size = 0
+        for p in reversed(self.params):  # backward produces the last layer's gradients first
+            nbytes = p.numel() * p.element_size()
+            if not self.buckets or (size + nbytes > bucket_bytes and self.buckets[-1]):
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self.flats = [torch.zeros(sum(p.numel() for p in b), dtype=b[0].dtype, device=b[0].device)
+                      for b in self.buckets]
+        self.views = []
+        for flat, b in zip(self.flats, self.buckets):
+            off, views = 0, []
+            for p in b:
+                views.append(flat[off:off + p.numel()].view_as(p))
+                off += p.numel()
+            self.views.append(views)
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params] if overlap else []
+        self._armed = False
+        self._reset()
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self.buckets]
+        self._next = 0                      # the next bucket to launch
+        self._works: list = []
+
+    def attach(self) -> None:
+        """Zero the buckets and make every ``.grad`` a view into its bucket."""
+        self._reset()
+        for flat, b, views in zip(self.flats, self.buckets, self.views):
+            flat.zero_()
+            for p, v in zip(b, views):
+                p.grad = v
+
+    def arm(self) -> None:
+        """The next backward is the step's last: reduce buckets as they become final."""
+        self._armed = self.overlap
+
+    def _ready(self, p) -> None:
+        if not self._armed:
+            return
+        i = self._bucket_of[id(p)]
+        self._missing[i] -= 1
+        while self._next < len(self.buckets) and self._missing[self._next] == 0:
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        for p, v in zip(self.buckets[i], self.views[i]):
+            if p.grad is not None and p.grad.data_ptr() != v.data_ptr():  # replaced, not accumulated into
+                v.copy_(p.grad)
+            p.grad = v
+        self._works.append(dist.all_reduce(self.flats[i], op=dist.ReduceOp.SUM, group=self.group, async_op=True))
+        self._next = i + 1
+
+    def finish(self) -> None:
+        """Launch the buckets not launched yet and wait for all: every ``.grad`` holds the sum."""
+        self._armed = False
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        works, self._works = self._works, []
+        for work in works:
+            work.wait()
+
+    def close(self) -> None:
+        self._armed = False
+        self._works = []
+        for h in self._handles:
+            h.remove()
+        self._handles = []

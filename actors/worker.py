@@ -3,8 +3,9 @@
 It holds its stage's layers and optimizer state, builds its own microbatches from the
 deterministic sample order, and runs a whole step's action list in one call
 (``run_step``): forwards and backwards in the schedule's order, activations and their
-gradients through the transport, then the gradient all-reduce among the replicas of
-its stage.
+gradients through the transport, and the gradient all-reduce among the replicas of its
+stage, in buckets the gradients accumulate into (launched during the last backward on a
+GPU, as DDP does; right after it on a CPU).
 
 Steps are two-phase.  ``run_step(s)`` leaves step s's summed gradients *pending*; the
 optimizer applies them only once the scheduler has seen every worker finish step s, which
@@ -25,15 +26,23 @@ from collections import OrderedDict
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from actors.collectives import Group
+from actors.collectives import GradBuckets, Group
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from service import schedules
 from service.loading import build_data, build_loss, build_model, build_optimizer
 from service.sampling import step_indices
 from service.spec import JobSpec
+
+
+# Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
+BUCKET_BYTES = int(float(os.environ.get("RELAYTRAIN_BUCKET_MB", "8")) * 2**20)
+# Launch buckets during the last backward (as DDP) or after it.  Overlap pays where the
+# all-reduce has its own engine (NCCL on a GPU); a CPU worker's compute threads already use
+# its cores, and gloo's reduction then only competes with backward for them (measured on 2
+# cores: slower, see README "Against the peers").  RELAYTRAIN_OVERLAP_ALLREDUCE=1/0 forces it.
+_OVERLAP = os.environ.get("RELAYTRAIN_OVERLAP_ALLREDUCE")
 
 
 def optimizer_state_by_name(opt: torch.optim.Optimizer, names: list[str]) -> dict:
@@ -92,6 +101,7 @@ class StageWorker:
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
+        self.buckets: Optional[GradBuckets] = None
         self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self._child_names: Optional[list[str]] = None
@@ -231,6 +241,7 @@ class StageWorker:
             m = self.spec.microbatches // dp
             self.mb0 = r * m
             self.actions = schedules.build(cell["schedule"], pp, m).order[s]
+            self.last_backward = [a for a in self.actions if a.kind == "B"][-1]
             boundary = cell["boundary"]
             self.in_meta = tuple(boundary[s - 1]) if s > 0 else None
             self.out_meta = tuple(boundary[s]) if s < pp - 1 else None
@@ -269,6 +280,8 @@ class StageWorker:
                     g = self.group.new_group([r * self.pp + s for r in range(self.dp)])
                     if s == self.pp_rank:
                         self.stage_group = g
+                overlap = self.device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
+                self.buckets = GradBuckets(list(self.stage.parameters()), self.stage_group, BUCKET_BYTES, overlap)
         if transport == "collective":
             self.transport = CollectiveTransport(None if self.first else rank - 1,
                                                  None if self.last else rank + 1, self.device)
@@ -280,12 +293,15 @@ class StageWorker:
 
     def _leave_group(self) -> None:
         self.stage_group = None
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
         if self.transport is not None and hasattr(self.transport, "_pending"):
             self.transport._pending.clear()  # pending sends hold the old group
         self.group.leave()
 
-    def deliver(self, gen: int, step: int, kind: str, mb: int, array) -> None:
-        self.inbox.put(gen, (step, kind, mb), array)
+    def deliver(self, gen: int, step: int, kind: str, mb: int, shape: tuple, *parts) -> None:
+        self.inbox.put(gen, (step, kind, mb), (shape, parts))
 
     def abort(self, gen: int, reason: str = "the step was discarded: a peer was lost") -> bool:
         """Wake this worker's step from any wait on its peers (another thread calls this)."""
@@ -310,12 +326,13 @@ class StageWorker:
     def run_step(self, step: int) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
         all-reduce the gradients, and leave the update pending until step is committed."""
+        called = time.time()
         with self._lock:
             self._settle(step)
             if self.applied != step:
                 raise RuntimeError(f"{self!r} is at step {self.applied} but was asked to run step {step + 1}")
         try:
-            return self._run_step(step)
+            return dict(self._run_step(step), called=called)
         except BaseException:
             self.pending = None
             # peers may wait on us: close our side of the group so they fail fast too
@@ -323,6 +340,7 @@ class StageWorker:
             raise
 
     def _run_step(self, step: int) -> dict:
+        settled = time.time()  # the previous step's update applied
         self.inbox.drop_before(step)
         xs, ys = self._my_batch(step) if (self.first or self.last) else (None, None)
         scale = self.mbs / self.B
@@ -332,6 +350,9 @@ class StageWorker:
         live = peak = 0
         timeline = []
         tr = self.transport
+        reduce = self.buckets if self.stage_group is not None else None
+        if reduce is not None:
+            reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
         t_begin = time.time()
         for a in self.actions:
             g = self.mb0 + a.mb
@@ -357,6 +378,8 @@ class StageWorker:
                 inp, out = stash.pop(a.mb)
                 grad = None if self.last else tr.recv(step, "grad", g, self.out_meta)
                 t0 = time.time()
+                if reduce is not None and a == self.last_backward:
+                    reduce.arm()  # the gradients become final in this backward: all-reduce as they do
                 if out.requires_grad:
                     torch.autograd.backward(out, grad)
                 t1 = time.time()
@@ -367,29 +390,16 @@ class StageWorker:
             timeline.append((f"{a.stage}{a.kind}{g}", t0, t1))  # global microbatch id
         tr.finish_step()
         t_pipe = time.time()
-        if self.stage_group is not None:
-            self._allreduce_grads()
+        if reduce is not None:
+            reduce.finish()
         if self._aborted is not None:
             raise StageAborted(f"{self!r}: step {step + 1} was discarded")
         self.pending = step
         t_end = time.time()
         return {"dp_rank": self.dp_rank, "pp_rank": self.pp_rank, "loss": float(loss_sum) if self.last else None,
                 "busy": busy, "start": timeline[0][1] if timeline else t_begin, "pipe_end": t_pipe,
-                "end": t_end, "peak_live": peak, "allreduce_s": t_end - t_pipe,
+                "end": t_end, "peak_live": peak, "allreduce_s": t_end - t_pipe, "settled": settled,
                 "timeline": timeline}
-
-    def _allreduce_grads(self) -> None:
-        params = [p for p in self.stage.parameters()]
-        if not params:
-            return
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.stage_group)
-        off = 0
-        for p in params:
-            n = p.numel()
-            p.grad = flat[off:off + n].view_as(p)
-            off += n
 
     def shutdown(self) -> None:
         self.inbox.close("the job is stopping")
