@@ -7,7 +7,7 @@ export RAY_USAGE_STATS_ENABLED := 0
 
 CHROMIUM := /usr/bin/chromium
 
-.PHONY: example test venv bench serve clean chromium
+.PHONY: example test venv bench bench-peers serve clean chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -36,6 +36,17 @@ chromium:
 
 serve: $(STAMP)
 	$(VENV)/bin/relaytrain serve
+
+# bench/peers.py needs the `bench` extra (matplotlib, Ray Train's imports); `make test` does not.
+BENCH_STAMP := $(VENV)/.relaytrain-bench-installed
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	touch $(BENCH_STAMP)
+
+# relaytrain against torch.distributed.pipelining, Ray Train and one process (README, "Against
+# the peers"); about 15 minutes on 2 cores.  `make bench-peers BENCH_ARGS=--quick`: M = 8 only.
+bench-peers: $(BENCH_STAMP)
+	$(PY) bench/peers.py $(BENCH_ARGS)
 
 bench: $(STAMP)
 	$(PY) bench/pipeline.py

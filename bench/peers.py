@@ -8,17 +8,18 @@
 for M in {4, 8, 16} microbatches of 64 samples (``bench/peers_spec.py`` holds the model).
 
     make bench-peers                      # installs the `bench` extra, then runs the full bench
-    .venv/bin/python bench/peers.py [--quick] [--ms 4 8 16] [--rounds 4] [--steps 5]
+    .venv/bin/python bench/peers.py [--quick] [--ms 4 8 16] [--rounds 6] [--steps 5]
 
 Every contestant first runs ``--check`` steps from the same initial parameters; their loss
 sequences and then their parameters must agree with the single process's (to float
-tolerance) or the bench stops and says where; the losses of every later step are checked too.  Then, for each
-M, ``--rounds`` rounds run the contestants one after another (the order rotates every
-round), each for 1 warm-up step plus ``--steps`` timed steps: at least 20 timed steps per
-contestant by default, one thread per worker.  A step's time is the wall time between the
-ends of two consecutive steps as seen by the process that drives them (relaytrain: its
-scheduler, at each step's metrics row; the others: the later of their ranks' ends, after
-the optimizer step), so it holds everything a step costs, dispatch included.
+tolerance) or the bench stops and says where; the losses of every later step are checked
+too.  Then, for each M, ``--rounds`` rounds run the contestants one after another (the order
+rotates every round), each for 1 warm-up step plus ``--steps`` timed steps: 30 timed steps
+per contestant and M by default (20 with ``--quick``, which runs M = 8 only), one thread per
+worker.  A step's time is the wall time between the ends of two consecutive steps as seen
+by the process that drives them (relaytrain: its scheduler, at each step's metrics row; the
+others: the later of their ranks' ends, after the optimizer step), so it holds everything a
+step costs, dispatch included.
 
 Writes bench/results/peers.json, peers.txt (the table) and peers.png (step time against M).
 """
@@ -130,8 +131,9 @@ class Processes(Contestant):
             steps = [r[i] for r in ranks]
             loss = next(s["loss"] for s in steps if s["loss"] is not None)
             rec = {"end": max(s["end"] for s in steps), "loss": loss, "bubble": None}
+            span = max(s["pipe_end"] for s in steps) - min(s["start"] for s in steps)
+            rec.update(span=span, busy=[s["busy"] for s in steps])
             if self.world > 1:
-                span = max(s["pipe_end"] for s in steps) - min(s["start"] for s in steps)
                 rec["bubble"] = max(0.0, 1.0 - sum(s["busy"] for s in steps) / (self.world * span))
             out.append(rec)
         return out
@@ -158,12 +160,12 @@ class Processes(Contestant):
 
 
 class RelayContestant(Contestant):
-    def __init__(self, name: str, group: str, spec, steps: int):
+    def __init__(self, name: str, group: str, spec, steps: int, engine: Optional[str] = None):
         from peers_relay import Relaytrain
 
-        self.name, self.group = name, group
+        self.name, self.group = name + (f" [engine {engine}]" if engine else ""), group
         self.pp = spec.parallelism.pp
-        self.job = Relaytrain(spec, steps)
+        self.job = Relaytrain(spec, steps, engine)
 
     def start(self) -> None:
         self.job.start()
@@ -195,7 +197,8 @@ class RayTrainContestant(Contestant):
         return self.trainer.params()
 
 
-def contestants(m: int, steps: int, raytrain, which: set[str], only: Optional[list[str]] = None) -> list[Contestant]:
+def contestants(m: int, steps: int, raytrain, which: set[str], only: Optional[list[str]] = None,
+                engines: Optional[list[str]] = None) -> list[Contestant]:
     S = peers_spec.spec
     out: list[Contestant] = [Processes("single process, 1 thread", "base", "single", 1, m)]
     if "pipeline" in which:
@@ -211,6 +214,9 @@ def contestants(m: int, steps: int, raytrain, which: set[str], only: Optional[li
         out.append(RelayContestant("relaytrain dp=2 pp=1", "dp", S(m, dp=2, transport="collective"), steps))
     if only:  # the single process stays: it is the reference the others are checked against
         out = [out[0]] + [c for c in out[1:] if any(o in c.name for o in only)]
+    for folder in engines or []:  # A/B: every relaytrain contestant again, on the engine in that folder
+        out += [RelayContestant(c.name, c.group, c.job.spec, steps, folder) for c in out
+                if isinstance(c, RelayContestant) and c.job.engine is None]
     return out
 
 
@@ -256,7 +262,7 @@ def check_params(params: dict[str, dict], what: str) -> float:
 
 def run_m(m: int, args, raytrain) -> dict:
     steps_total = args.check + args.rounds * (1 + args.steps)
-    cs = contestants(m, steps_total, raytrain, set(args.which), args.only)
+    cs = contestants(m, steps_total, raytrain, set(args.which), args.only, args.ab_engine)
     log(f"M={m}: starting {len(cs)} contestants (load {load()})")
     t0 = time.time()
     try:
@@ -284,8 +290,9 @@ def run_m(m: int, args, raytrain) -> dict:
                 ends = [x["end"] for x in recs]
                 times[c.name] += [b - a for a, b in zip(ends, ends[1:])]
                 bubbles[c.name] += [x["bubble"] for x in recs[1:] if x.get("bubble") is not None]
-                extra[c.name] += [{k: x[k] for k in ("scheduler_wall_s", "work_span_s", "allreduce_s", "workers")
-                                   if k in x} for x in recs[1:]]
+                extra[c.name] += [dict({k: x[k] for k in ("scheduler_wall_s", "work_span_s", "allreduce_s", "workers",
+                                                          "dispatched", "span", "busy") if k in x}, previous_end=a["end"])
+                                  for a, x in zip(recs, recs[1:])]
             log(f"M={m}: round {r + 1}/{args.rounds} done (load {load()})")
         worst = check_losses(losses, f"M={m}, all {len(losses[cs[0].name])} steps")
     finally:
@@ -303,8 +310,13 @@ def run_m(m: int, args, raytrain) -> dict:
                "step_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "samples_per_s": m * peers_spec.MBS / med,
                "timed_steps": len(ts), "bubble": statistics.median(bubbles[c.name]) if bubbles[c.name] else None,
                "bubble_plan": plan if c.pp == 2 else None, "times_s": times[c.name], "losses": losses[c.name]}
-        if extra[c.name] and extra[c.name][0]:
+        if extra[c.name] and "workers" in extra[c.name][0]:
             row["relaytrain"] = _relay_breakdown(extra[c.name], med)
+        elif extra[c.name] and "span" in extra[c.name][0]:  # the processes: compute per rank, and the rest
+            ex = extra[c.name]
+            span = statistics.median(e["span"] for e in ex)
+            row["breakdown"] = {"span_s": span, "outside_span_s": med - span,
+                                "busy_s": [statistics.median(e["busy"][r] for e in ex) for r in range(len(ex[0]["busy"]))]}
         rows.append(row)
     for row in rows:
         peers = [r for r in rows if r["peer"] and r["group"] == row["group"]]
@@ -330,15 +342,28 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 
 def _relay_breakdown(extra: list[dict], median_step: float) -> dict:
-    """Where a relaytrain step's time goes, medians over the timed steps: the workers' own
-    span (first compute to last return), and the rest of the cycle (dispatch, the deferred
-    optimizer step, building the batch, the gather)."""
-    spans = [e["work_span_s"] for e in extra]
-    walls = [e["scheduler_wall_s"] for e in extra]
-    busy = {w: statistics.median(e["workers"][w]["busy"] for e in extra) for w in extra[0]["workers"]}
-    return {"worker_span_s": statistics.median(spans), "scheduler_wall_s": statistics.median(walls),
-            "outside_workers_s": median_step - statistics.median(spans),
-            "allreduce_s": statistics.median(e["allreduce_s"] for e in extra), "busy_s": busy}
+    """Where a relaytrain step's time goes, medians over the timed steps, along the path that
+    sets the pace (the scheduler and the first stage of replica 0, which starts the pipeline):
+    the scheduler's own work between two steps (``between_steps_s``), the actor call reaching
+    the worker (``dispatch_s``), the deferred optimizer step (``optimizer_s``), building the
+    microbatches (``batch_s``), the workers' span from the first compute to the last return
+    (``worker_span_s``, the all-reduce included), and the results reaching the scheduler
+    (``return_s``)."""
+    med = lambda xs: statistics.median(list(xs))  # noqa: E731
+    w0 = next(iter(extra[0]["workers"]))
+    out = {"between_steps_s": med(e["dispatched"] - e["previous_end"] for e in extra)}
+    if extra[0]["workers"][w0].get("called") is not None:  # (an older engine in an A/B run has no such marks)
+        out.update(dispatch_s=med(e["workers"][w0]["called"] - e["dispatched"] for e in extra),
+                   optimizer_s=med(e["workers"][w0]["settled"] - e["workers"][w0]["called"] for e in extra),
+                   batch_s=med(e["workers"][w0]["start"] - e["workers"][w0]["settled"] for e in extra))
+    out.update({
+           "worker_span_s": med(e["work_span_s"] for e in extra),
+           "return_s": med(e["dispatched"] + e["scheduler_wall_s"] - max(w["end"] for w in e["workers"].values())
+                           for e in extra),
+           "allreduce_s": med(e["allreduce_s"] for e in extra),
+           "busy_s": {w: med(e["workers"][w]["busy"] for e in extra) for w in extra[0]["workers"]}})
+    out["outside_workers_s"] = median_step - out["worker_span_s"]
+    return out
 
 
 # ---------------------------------------------------------------- output
@@ -357,6 +382,7 @@ def table(results: list[dict]) -> str:
 
 
 def plot(results: list[dict], path: Path) -> None:
+    """Step time against M (top) and speed relative to the best peer (bottom), per contestant."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -364,28 +390,35 @@ def plot(results: list[dict], path: Path) -> None:
 
     names = [r["contestant"] for r in results[0]["rows"]]
     ms = [res["M"] for res in results]
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5.2), sharey=False)
-    for ax, groups, title in ((axes[0], ("base", "pipeline"), "pipeline parallel, p = 2"),
-                              (axes[1], ("base", "dp"), "data parallel, 2 workers")):
-        for name in names:
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9), gridspec_kw={"height_ratios": [3, 2]})
+    for col, (groups, title) in enumerate(((("base", "pipeline"), "pipeline parallel, p = 2"),
+                                           (("base", "dp"), "data parallel, 2 workers"))):
+        top, bottom = axes[0][col], axes[1][col]
+        for k, name in enumerate(names):
             pts = [(res["M"], r) for res in results for r in res["rows"] if r["contestant"] == name]
             if not pts or pts[0][1]["group"] not in groups:
                 continue
             xs = [m for m, _ in pts]
-            ys = [r["step_s"] * 1e3 for _, r in pts]
-            err = [[(r["step_s"] - r["q1_s"]) * 1e3 for _, r in pts], [(r["q3_s"] - r["step_s"]) * 1e3 for _, r in pts]]
-            style = "--" if pts[0][1]["peer"] else ("-" if "relaytrain" in name else ":")
-            ax.errorbar(xs, ys, yerr=err, label=name, linestyle=style, marker="o", capsize=3)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(ms, [str(m) for m in ms])
-        ax.set_xlabel("microbatches per step M (microbatch 64)")
-        ax.set_ylabel("step time, median (ms); bars: interquartile range")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
+            style = dict(linestyle="--" if pts[0][1]["peer"] else ("-" if "relaytrain" in name else ":"),
+                         marker="o", color=f"C{k}", label=name)
+            top.errorbar(xs, [r["step_s"] * 1e3 for _, r in pts], capsize=3, **style,
+                         yerr=[[(r["step_s"] - r["q1_s"]) * 1e3 for _, r in pts],
+                               [(r["q3_s"] - r["step_s"]) * 1e3 for _, r in pts]])
+            if "vs_best_peer" in pts[0][1]:
+                bottom.plot(xs, [r["vs_best_peer"] for _, r in pts], **style)
+        for ax in (top, bottom):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(ms, [str(m) for m in ms])
+            ax.grid(True, alpha=0.3)
+        top.set_ylabel("step time (ms), median; bars: interquartile range")
+        top.set_title(title)
+        top.legend(fontsize=8)
+        bottom.axhline(1.0, color="k", linewidth=0.8)
+        bottom.set_xlabel("microbatches per step M (microbatch 64, global batch 64 M)")
+        bottom.set_ylabel("speed vs the best peer (>1: faster)")
     fig.suptitle(f"{peers_spec.DESCRIPTION}\n2 cores, one thread per worker", fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
@@ -393,18 +426,22 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="M = 8 only (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="M = 8 only, 4 rounds (under 5 minutes)")
     ap.add_argument("--ms", type=int, nargs="+", default=None, help="microbatch counts (default 4 8 16)")
-    ap.add_argument("--rounds", type=int, default=4, help="interleaved rounds per M (default 4)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per M (default 6; --quick 4)")
     ap.add_argument("--steps", type=int, default=5, help="timed steps per contestant per round (default 5)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared before timing")
     ap.add_argument("--which", nargs="+", default=["pipeline", "dp"], choices=["pipeline", "dp"])
     ap.add_argument("--only", nargs="+", help="only the contestants whose name holds one of these words "
                     "(and the single process); for development")
+    ap.add_argument("--ab-engine", metavar="DIR", nargs="+", help="also run every relaytrain contestant on the engine "
+                    "(actors/, service/) in DIR, e.g. `git archive HEAD~1 actors service | tar -x -C DIR`: "
+                    "before/after figures of an engine change from one interleaved run")
     ap.add_argument("--no-raytrain", action="store_true", help="leave Ray Train out (it needs the bench extra)")
     ap.add_argument("--out", default=str(RESULTS / "peers"), help="path prefix of the results (.json/.txt/.png)")
     args = ap.parse_args()
     ms = args.ms or ([8] if args.quick else [4, 8, 16])
+    args.rounds = args.rounds or (4 if args.quick else 6)
     import ray
     import torch
 
@@ -424,6 +461,12 @@ def main() -> None:
     try:
         wanted = not args.only or any(o in RayTrainContestant.NAME for o in args.only)
         if "dp" in args.which and not args.no_raytrain and wanted:
+            try:
+                import ray.train  # noqa: F401
+            except ImportError as e:
+                raise SystemExit(f"peers: Ray Train cannot be imported ({e}): `make bench-peers` installs the "
+                                 "`bench` extra (or pip install -c constraints.txt -e '.[bench]'); "
+                                 "--no-raytrain leaves it out") from None
             raytrain = peers_raytrain.RayTrainDDP(2)
             raytrain.start()
         for m in ms:

@@ -57,7 +57,9 @@ class GatedScheduler(JobScheduler):
         row = super()._metrics_row(step, stats, wall, B)
         span = max(s["end"] for s in stats.values()) - min(s["start"] for s in stats.values())
         extra = {"work_span_s": span,
-                 "workers": {f"w{r}.{s}": {k: st[k] for k in ("busy", "start", "pipe_end", "end", "allreduce_s")}
+                 "dispatched": time.time() - wall,  # ~ when the scheduler sent the step's calls
+                 "workers": {f"w{r}.{s}": {k: st.get(k) for k in ("called", "settled", "busy", "start", "pipe_end",
+                                                                   "end", "allreduce_s")}
                              for (r, s), st in sorted(stats.items())}}
         with self._gate:
             self._rows.append({**row, **extra})
@@ -70,8 +72,9 @@ class GatedScheduler(JobScheduler):
 class Relaytrain:
     """One relaytrain job of ``steps`` steps whose steps the bench releases a few at a time."""
 
-    def __init__(self, spec, steps: int):
+    def __init__(self, spec, steps: int, engine: Optional[str] = None):
         self.spec = spec.model_copy(update={"training": spec.training.model_copy(update={"steps": steps})})
+        self.engine = engine  # a folder holding another version of actors/ (and service/), for A/B runs
         self.job_id = f"peers-{uuid.uuid4().hex[:8]}"
         self.done = 0
         self.sched = None
@@ -81,6 +84,7 @@ class Relaytrain:
         self.sched = ray.remote(GatedScheduler).options(
             name=f"relaytrain:{self.job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
             **scheduler_placement(),
+            **({"runtime_env": {"env_vars": {"PYTHONPATH": self.engine}}} if self.engine else {}),
         ).remote(self.job_id, self.spec.model_dump(mode="json"), [], None, None, 300.0)
         self.run_ref = self.sched.run.remote()
 
@@ -94,7 +98,8 @@ class Relaytrain:
         rows = got["rows"][self.done - n:]
         return [{"end": r["time"], "loss": r["loss"], "bubble": r["bubble"] if r["pp"] > 1 else None,
                  "bubble_plan": r["bubble_plan"] if r["pp"] > 1 else None, "scheduler_wall_s": r["step_time_s"],
-                 "work_span_s": r["work_span_s"], "allreduce_s": r["allreduce_s"], "workers": r["workers"]}
+                 "work_span_s": r["work_span_s"], "allreduce_s": r["allreduce_s"], "workers": r["workers"],
+                 "dispatched": r["dispatched"]}
                 for r in rows]
 
     def params(self) -> dict:
