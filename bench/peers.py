@@ -169,6 +169,8 @@ class RelayContestant(Contestant):
 
     def start(self) -> None:
         self.job.start()
+        if self.job.engine:
+            log(f"{self.name}: engine {self.job.where}")
 
     def run(self, n: int) -> list[dict]:
         return self.job.run(n)
@@ -436,10 +438,13 @@ def main() -> None:
                     "(and the single process); for development")
     ap.add_argument("--ab-engine", metavar="DIR", nargs="+", help="also run every relaytrain contestant on the engine "
                     "(actors/, service/) in DIR, e.g. `git archive HEAD~1 actors service | tar -x -C DIR`: "
-                    "before/after figures of an engine change from one interleaved run")
+                    "before/after figures of an engine change from one interleaved run (each contestant's "
+                    "scheduler is checked to import from DIR)")
     ap.add_argument("--no-raytrain", action="store_true", help="leave Ray Train out (it needs the bench extra)")
     ap.add_argument("--out", default=str(RESULTS / "peers"), help="path prefix of the results (.json/.txt/.png)")
     args = ap.parse_args()
+    args.out = os.path.abspath(args.out)
+    args.ab_engine = [os.path.abspath(d) for d in args.ab_engine or []]
     ms = args.ms or ([8] if args.quick else [4, 8, 16])
     args.rounds = args.rounds or (4 if args.quick else 6)
     import ray
@@ -450,7 +455,14 @@ def main() -> None:
     load_start = load()
     log(f"load average at start {load_start} (2 cores); M in {ms}, {args.rounds} rounds x {args.steps} timed steps")
     t_start = time.time()
-    ray.init(address="local", num_cpus=16, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    if args.ab_engine:
+        # Ray puts the driver's working directory first on its workers' sys.path: from the
+        # checkout, every worker would import this checkout's engine, whatever PYTHONPATH says
+        import tempfile
+
+        os.chdir(tempfile.mkdtemp(prefix="peers-ab-"))
+    # logical slots: every contestant's workers stay placed between their rounds (idle, not spinning)
+    ray.init(address="local", num_cpus=64, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     import peers_raytrain
     import peers_relay
 

@@ -30,6 +30,12 @@ class GatedScheduler(JobScheduler):
         self._rows: list[dict] = []
         self._gate = threading.Condition()
 
+    def engine(self) -> str:
+        """Where this process imported the engine from (checks an A/B run uses what it says)."""
+        import sys
+
+        return sys.modules[JobScheduler.__module__].__file__
+
     def allow(self, steps: int) -> bool:
         """Let the job run until ``steps`` steps are done."""
         with self._gate:
@@ -87,6 +93,9 @@ class Relaytrain:
             **({"runtime_env": {"env_vars": {"PYTHONPATH": self.engine}}} if self.engine else {}),
         ).remote(self.job_id, self.spec.model_dump(mode="json"), [], None, None, 300.0)
         self.run_ref = self.sched.run.remote()
+        self.where = where = ray.get(self.sched.engine.remote())
+        if self.engine and not where.startswith(self.engine.rstrip("/") + "/"):
+            raise RuntimeError(f"the A/B engine {self.engine} was asked for but the scheduler imported {where}")
 
     def run(self, n: int) -> list[dict]:
         self.done += n
