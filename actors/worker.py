@@ -3,9 +3,10 @@
 It holds its stage's layers and optimizer state, builds its own microbatches from the
 deterministic sample order, and runs a whole step's action list in one call
 (``run_step``): forwards and backwards in the schedule's order, activations and their
-gradients through the transport, and the gradient all-reduce among the replicas of its
-stage, in buckets the gradients accumulate into (launched during the last backward on a
-GPU, as DDP does; right after it on a CPU).
+gradients through the transport, and the gradient sum among the replicas of its stage:
+through shared memory when they share a node (CPU), else a gloo/NCCL all-reduce in buckets
+the gradients accumulate into (launched during the last backward on a GPU, as DDP does;
+right after it on a CPU).
 
 Steps are two-phase.  ``run_step(s)`` leaves step s's summed gradients *pending*; the
 optimizer applies them only once the scheduler has seen every worker finish step s, which
@@ -28,7 +29,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from actors.collectives import GradBuckets, Group
+from actors.collectives import GradBuckets, Group, SharedMemorySum
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from service import schedules
 from service.loading import build_data, build_loss, build_model, build_optimizer
@@ -43,6 +44,9 @@ BUCKET_BYTES = int(float(os.environ.get("RELAYTRAIN_BUCKET_MB", "8")) * 2**20)
 # its cores, and gloo's reduction then only competes with backward for them (measured on 2
 # cores: slower, see README "Against the peers").  RELAYTRAIN_OVERLAP_ALLREDUCE=1/0 forces it.
 _OVERLAP = os.environ.get("RELAYTRAIN_OVERLAP_ALLREDUCE")
+# Replicas of a stage on one node sum through shared memory (actors/collectives.SharedMemorySum);
+# RELAYTRAIN_SHM_ALLREDUCE=0 makes them use gloo like replicas on different nodes.
+_SHM = os.environ.get("RELAYTRAIN_SHM_ALLREDUCE", "1") == "1"
 
 
 def optimizer_state_by_name(opt: torch.optim.Optimizer, names: list[str]) -> dict:
@@ -101,7 +105,7 @@ class StageWorker:
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
-        self.buckets: Optional[GradBuckets] = None
+        self.buckets = None               # the stage's gradient sum: SharedMemorySum or GradBuckets
         self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self._child_names: Optional[list[str]] = None
@@ -280,8 +284,13 @@ class StageWorker:
                     g = self.group.new_group([r * self.pp + s for r in range(self.dp)])
                     if s == self.pp_rank:
                         self.stage_group = g
-                overlap = self.device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
-                self.buckets = GradBuckets(list(self.stage.parameters()), self.stage_group, BUCKET_BYTES, overlap)
+                params = list(self.stage.parameters())
+                self.buckets = (SharedMemorySum.create(params, self.stage_group, self.dp_rank, self.dp, self.node_id(),
+                                                       f"{self.job_id}-g{self.gen}-s{self.pp_rank}")
+                                if _SHM else None)
+                if self.buckets is None:  # replicas on several nodes (or GPUs): gloo / NCCL
+                    overlap = self.device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
+                    self.buckets = GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
         if transport == "collective":
             self.transport = CollectiveTransport(None if self.first else rank - 1,
                                                  None if self.last else rank + 1, self.device)

@@ -1,6 +1,7 @@
-"""The bucketed data-parallel all-reduce (actors/collectives.GradBuckets) sums exactly what one
-flat all-reduce sums, launched during the last backward (overlap, as on GPUs) or after it
-(CPU workers), with one bucket or many; two gloo processes, no Ray."""
+"""How a stage's replicas sum their gradients (actors/collectives.py), with two or three gloo
+processes and no Ray: GradBuckets sums exactly what one flat all-reduce sums, launched during
+the last backward (overlap, as on GPUs) or after it (CPU workers), with one bucket or many;
+SharedMemorySum (replicas on one node) sums what gloo sums."""
 from __future__ import annotations
 
 import socket
@@ -70,3 +71,58 @@ def test_buckets_sum_like_one_flat_all_reduce(overlap, bucket_bytes):
     n_buckets = results[0][2]
     assert n_buckets == 1 if bucket_bytes == 1 << 20 else n_buckets > 1
     assert [r[3] for r in results] == [n_buckets if overlap else 0] * 2
+
+
+def _shm_replica(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from actors.collectives import SharedMemorySum
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        shm = SharedMemorySum.create(list(model.parameters()), None, rank, world, "node-a", "test")
+        sums = []
+        for step in range(3):  # the slots alternate: three steps use both and the first again
+            model.zero_grad(set_to_none=True)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            ref = [p.grad.clone() for p in model.parameters()]
+            for g in ref:
+                dist.all_reduce(g)
+            shm.finish()
+            sums.append([p.grad.clone() for p in model.parameters()])
+            exact = all(torch.equal(a, b) for a, b in zip(sums[-1], ref))
+            close = all(torch.allclose(a, b, rtol=1e-6, atol=1e-7) for a, b in zip(sums[-1], ref))
+            if not (exact if world == 2 else close):
+                out.put((rank, False, None))
+                return
+        shm.close()
+        other = SharedMemorySum.create(list(model.parameters()), None, rank, world, f"node-{rank}", "test")
+        out.put((rank, other is None, torch.cat([g.reshape(-1) for g in sums[-1]])))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_sum_equals_gloo(world):
+    """Replicas on one node sum through /dev/shm: exactly gloo's sum for 2, the same sum on every
+    replica for more; replicas on different nodes get None (they use gloo); no file is left."""
+    import glob
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_shm_replica, args=(r, world, port, out)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted((out.get(timeout=120) for _ in procs), key=lambda r: r[0])
+    for p in procs:
+        p.join(30)
+    assert [ok for _, ok, _ in results] == [True] * world
+    assert all(torch.equal(results[0][2], r[2]) for r in results)  # replicas stay bit-identical
+    assert not glob.glob("/dev/shm/relaytrain-test-*")
