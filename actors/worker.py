@@ -6,7 +6,9 @@ deterministic sample order, and runs a whole step's action list in one call
 gradients through the transport, and the gradient sum among the replicas of its stage:
 through shared memory when they share a node (CPU), else a gloo/NCCL all-reduce in buckets
 the gradients accumulate into (launched during the last backward on a GPU, as DDP does;
-right after it on a CPU).
+right after it on a CPU).  A stage's last backward of the step computes and sends the
+gradient of its input before its weight gradients, so the stage before it, which waits for
+that gradient to run the step's final backward, starts sooner: the pipeline drains earlier.
 
 Steps are two-phase.  ``run_step(s)`` leaves step s's summed gradients *pending*; the
 optimizer applies them only once the scheduler has seen every worker finish step s, which
@@ -28,6 +30,11 @@ from typing import Any, Optional
 
 import torch
 from torch import nn
+
+try:  # torch's split backward (input gradient first, weight gradients after), as its zero-bubble schedules use
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+except ImportError:  # another torch: every backward stays whole
+    stage_backward_input = stage_backward_weight = None
 
 from actors.collectives import GradBuckets, Group, SharedMemorySum
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
@@ -253,6 +260,9 @@ class StageWorker:
                 self.in_meta = (tuple(self.in_meta[0]), self.in_meta[1])
             if self.out_meta:
                 self.out_meta = (tuple(self.out_meta[0]), self.out_meta[1])
+            self.receives = [("act" if a.kind == "F" else "grad", self.mb0 + a.mb,
+                              self.in_meta if a.kind == "F" else self.out_meta)
+                             for a in self.actions if (a.kind == "F" and not self.first) or (a.kind == "B" and not self.last)]
             self.gen = cell["gen"]
             self.inbox.reset(self.gen)
             self.transport = None
@@ -305,8 +315,8 @@ class StageWorker:
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None
-        if self.transport is not None and hasattr(self.transport, "_pending"):
-            self.transport._pending.clear()  # pending sends hold the old group
+        if self.transport is not None:
+            self.transport.drop()  # pending sends and posted receives hold the old group
         self.group.leave()
 
     def deliver(self, gen: int, step: int, kind: str, mb: int, shape: tuple, *parts) -> None:
@@ -359,6 +369,7 @@ class StageWorker:
         live = peak = 0
         timeline = []
         tr = self.transport
+        tr.begin_step(step, self.receives)
         reduce = self.buckets if self.stage_group is not None else None
         if reduce is not None:
             reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
@@ -389,11 +400,20 @@ class StageWorker:
                 t0 = time.time()
                 if reduce is not None and a == self.last_backward:
                     reduce.arm()  # the gradients become final in this backward: all-reduce as they do
-                if out.requires_grad:
+                split = (a == self.last_backward and not self.first and inp.requires_grad and out.requires_grad
+                         and stage_backward_input is not None and not getattr(reduce, "overlap", False))
+                if split:
+                    # the previous stage's last backward waits for this input gradient: send it
+                    # before computing the weight gradients, so the pipeline drains sooner
+                    _, groups = stage_backward_input([out], None if grad is None else [grad], [inp],
+                                                     self.stage.parameters())
+                    tr.send(step, "grad", g, inp.grad)
+                    stage_backward_weight(self.stage.parameters(), groups)
+                elif out.requires_grad:
                     torch.autograd.backward(out, grad)
                 t1 = time.time()
                 live -= 1
-                if not self.first and inp.requires_grad:
+                if not split and not self.first and inp.requires_grad:
                     tr.send(step, "grad", g, inp.grad)
             busy += t1 - t0
             timeline.append((f"{a.stage}{a.kind}{g}", t0, t1))  # global microbatch id
