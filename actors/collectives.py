@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import re
 import socket
 from datetime import timedelta
 from typing import Optional
@@ -263,7 +264,7 @@ class SharedMemorySum:
         params = [p for p in params if p.requires_grad]
         local = (bool(params) and all(p.device.type == "cpu" for p in params)
                  and len({p.dtype for p in params}) == 1)
-        path = f"/dev/shm/relaytrain-{tag}-{uuid.uuid4().hex[:8]}"
+        path = f"/dev/shm/relaytrain-{re.sub(r'[^A-Za-z0-9_.-]', '_', tag)}-{uuid.uuid4().hex[:8]}"
         seen: list = [None] * world
         dist.all_gather_object(seen, (node, local, path), group=group)
         if len({s[0] for s in seen}) != 1 or not all(s[1] for s in seen):

@@ -260,9 +260,10 @@ class StageWorker:
                 self.in_meta = (tuple(self.in_meta[0]), self.in_meta[1])
             if self.out_meta:
                 self.out_meta = (tuple(self.out_meta[0]), self.out_meta[1])
-            self.receives = [("act" if a.kind == "F" else "grad", self.mb0 + a.mb,
-                              self.in_meta if a.kind == "F" else self.out_meta)
-                             for a in self.actions if (a.kind == "F" and not self.first) or (a.kind == "B" and not self.last)]
+            # the step's receives, in the order the actions take them (the transport posts them ahead)
+            self.receives = [("act", self.mb0 + a.mb, self.in_meta) if a.kind == "F" else
+                             ("grad", self.mb0 + a.mb, self.out_meta) for a in self.actions
+                             if (a.kind == "F" and not self.first) or (a.kind == "B" and not self.last)]
             self.gen = cell["gen"]
             self.inbox.reset(self.gen)
             self.transport = None

@@ -292,8 +292,8 @@ def run_m(m: int, args, raytrain) -> dict:
                 ends = [x["end"] for x in recs]
                 times[c.name] += [b - a for a, b in zip(ends, ends[1:])]
                 bubbles[c.name] += [x["bubble"] for x in recs[1:] if x.get("bubble") is not None]
-                extra[c.name] += [dict({k: x[k] for k in ("scheduler_wall_s", "work_span_s", "allreduce_s", "workers",
-                                                          "dispatched", "span", "busy") if k in x}, previous_end=a["end"])
+                keep = ("scheduler_wall_s", "work_span_s", "allreduce_s", "workers", "dispatched", "span", "busy")
+                extra[c.name] += [dict({k: x[k] for k in keep if k in x}, previous_end=a["end"])
                                   for a, x in zip(recs, recs[1:])]
             log(f"M={m}: round {r + 1}/{args.rounds} done (load {load()})")
         worst = check_losses(losses, f"M={m}, all {len(losses[cs[0].name])} steps")
@@ -318,7 +318,8 @@ def run_m(m: int, args, raytrain) -> dict:
             ex = extra[c.name]
             span = statistics.median(e["span"] for e in ex)
             row["breakdown"] = {"span_s": span, "outside_span_s": med - span,
-                                "busy_s": [statistics.median(e["busy"][r] for e in ex) for r in range(len(ex[0]["busy"]))]}
+                                "busy_s": [statistics.median(e["busy"][r] for e in ex)
+                                           for r in range(len(ex[0]["busy"]))]}
         rows.append(row)
     for row in rows:
         peers = [r for r in rows if r["peer"] and r["group"] == row["group"]]
@@ -501,7 +502,8 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "ray": ray.__version__},
         "load_average": {"start": load_start, "end": load_end},
-        "config": {"model": peers_spec.DESCRIPTION, "ms": ms, "rounds": args.rounds, "timed_steps_per_round": args.steps,
+        "config": {"model": peers_spec.DESCRIPTION, "ms": ms, "rounds": args.rounds,
+                   "timed_steps_per_round": args.steps,
                    "check_steps": args.check, "rtol": RTOL, "atol": ATOL},
         "results": results}, indent=1))
     try:

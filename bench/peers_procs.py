@@ -89,7 +89,7 @@ class Single(_Base):
         for _ in range(n):
             x, y = self.batch(self.step)
             self.opt.zero_grad(set_to_none=True)
-            total, busy, t0 = 0.0, 0.0, time.time()
+            total, t0 = 0.0, time.time()
             for xm, ym in zip(x.split(mbs), y.split(mbs)):
                 loss = self.job.loss(self.model(xm), ym)
                 (loss / self.m).backward()

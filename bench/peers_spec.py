@@ -22,7 +22,8 @@ LR, MOMENTUM = 0.5, 0.9  # large enough that a wrong gradient shows in the loss 
 MODEL = {"kind": "mlp", "args": {"in_features": WIDTH, "hidden": WIDTH, "layers": LAYERS, "out_features": OUT}}
 DATA = {"kind": "regression", "args": {"n": SAMPLES, "in_features": WIDTH, "out_features": OUT}}
 DESCRIPTION = (f"MLP {WIDTH}-{WIDTH}x{LAYERS}-{OUT} (fp32), MSE on synthetic regression data, "
-               f"SGD lr {LR} momentum {MOMENTUM}, microbatch {MBS}, stages = entries [0, {CUT}) and [{CUT}, {LAYERS + 1})")
+               f"SGD lr {LR} momentum {MOMENTUM}, microbatch {MBS}, "
+               f"stages = entries [0, {CUT}) and [{CUT}, {LAYERS + 1})")
 
 
 def spec(m: int, *, dp: int = 1, pp: int = 1, schedule: str = "1f1b", transport: str = "collective",
