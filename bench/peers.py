@@ -21,7 +21,8 @@ by the process that drives them (relaytrain: its scheduler, at each step's metri
 others: the later of their ranks' ends, after the optimizer step), so it holds everything a
 step costs, dispatch included.
 
-Writes bench/results/peers.json, peers.txt (the table) and peers.png (step time against M).
+Writes bench/results/peers.json, peers.txt (the table) and peers.png (step time against M;
+``--quick``: peers_quick.*).
 """
 from __future__ import annotations
 
@@ -442,9 +443,10 @@ def main() -> None:
                     "before/after figures of an engine change from one interleaved run (each contestant's "
                     "scheduler is checked to import from DIR)")
     ap.add_argument("--no-raytrain", action="store_true", help="leave Ray Train out (it needs the bench extra)")
-    ap.add_argument("--out", default=str(RESULTS / "peers"), help="path prefix of the results (.json/.txt/.png)")
+    ap.add_argument("--out", default=None, help="path prefix of the results (.json/.txt/.png; default "
+                    "bench/results/peers, with --quick bench/results/peers_quick)")
     args = ap.parse_args()
-    args.out = os.path.abspath(args.out)
+    args.out = os.path.abspath(args.out or RESULTS / ("peers_quick" if args.quick else "peers"))
     args.ab_engine = [os.path.abspath(d) for d in args.ab_engine or []]
     ms = args.ms or ([8] if args.quick else [4, 8, 16])
     args.rounds = args.rounds or (4 if args.quick else 6)
