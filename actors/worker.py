@@ -392,6 +392,13 @@ class StageWorker:
                 t1 = time.time()
                 stash[a.mb] = (inp, out)
                 if not self.last:
+                    if tr.name == "collective" and (tuple(out.shape), out.dtype) != self.out_meta:
+                        raise ValueError(
+                            f"stage {self.pp_rank} (layers {min(self.layers)}-{max(self.layers)}) produced an "
+                            f"activation of shape {tuple(out.shape)} {out.dtype} for microbatch {g}, but the "
+                            f"pipeline was set up for {self.out_meta[0]} {self.out_meta[1]} (the shape of the "
+                            "first microbatch): transport 'collective' needs every microbatch's activation to keep "
+                            "one shape; set parallelism.transport: object_store for activations whose shape varies")
                     tr.send(step, "act", g, out)
                 live += 1
                 peak = max(peak, live)

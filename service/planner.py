@@ -94,7 +94,7 @@ def hop_seconds(transport: str, nbytes: int) -> float:
 
 
 def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, schedule: str = "1f1b",
-                transport: str = "object_store", optimizer: str = "adam",
+                transport: str = "collective", optimizer: str = "adam",
                 partition_rule: Union[str, list[int]] = "balanced") -> Shape:
     """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp <= layers)."""
     m = microbatches // dp
@@ -129,7 +129,7 @@ def _closeness(s: Shape, preferred: tuple[int, int]) -> tuple:
 
 def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
          preferred: tuple[int, int], min_workers: int = 1, max_workers: int = 16,
-         schedule: str = "1f1b", transport: str = "object_store", optimizer: str = "adam",
+         schedule: str = "1f1b", transport: str = "collective", optimizer: str = "adam",
          partition_rule: Union[str, list[int]] = "balanced", memory_bytes: Optional[float] = None,
          current: Optional[tuple[int, int]] = None, min_gain: float = 0.10) -> Decision:
     """Choose the shape for ``slots`` alive worker slots.

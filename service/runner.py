@@ -102,11 +102,13 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
 
 
 class _Outputs:
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, append: bool):
+        """A new run starts the files anew; a resumed one continues them."""
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
-        self.metrics = open(out / "metrics.jsonl", "a")
-        self.events = open(out / "events.jsonl", "a")
+        mode = "a" if append else "w"
+        self.metrics = open(out / "metrics.jsonl", mode)
+        self.events = open(out / "events.jsonl", mode)
 
     def write(self, f, rows: list[dict]) -> None:
         for r in rows:
@@ -149,7 +151,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     from actors.scheduler import NAMESPACE, JobScheduler
 
     started_ray = _connect(ray_address, local_cpus)
-    outputs = _Outputs(Path(out))
+    outputs = _Outputs(Path(out), append=resume_path is not None)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None
     sched = None

@@ -114,7 +114,9 @@ class ParallelismSpec(_Strict):
     pp: int = Field(1, ge=1, description="pipeline stages")
     schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="micro-batch schedule")
     transport: Literal["object_store", "collective"] = Field(
-        "object_store", description="how activations move between stages: Ray objects, or send/recv (gloo/NCCL)")
+        "collective", description="how activations move between stages: 'collective' (send/recv over gloo, NCCL on "
+                                  "GPUs; the faster; every microbatch's activation must keep the shape of the first) "
+                                  "or 'object_store' (Ray actor calls; no process group, any activation shape)")
     partition: Union[Literal["balanced", "uniform"], list[int]] = Field(
         "balanced", description="'balanced' by measured layer cost, 'uniform' layer counts, or explicit layer counts")
     layer_costs_ms: Optional[list[float]] = Field(

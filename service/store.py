@@ -122,6 +122,10 @@ class Store:
             raise RuntimeError(f"the job store URL needs the {e.name} driver: pip install 'relaytrain[postgres]'"
                                if "postgres" in self.url else f"the job store URL needs {e.name}: {e}") from None
         if self.url.startswith("sqlite"):
+            db_file = self.engine.url.database
+            if db_file and db_file != ":memory:" and not db_file.startswith("file:"):
+                Path(db_file).expanduser().parent.mkdir(parents=True, exist_ok=True)  # a fresh machine's home
+
             @sa.event.listens_for(self.engine, "connect")
             def _pragmas(conn, _record):
                 cur = conn.cursor()

@@ -18,7 +18,9 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
 
 
-def train(spec: JobSpec, steps: int | None = None, search=()) -> tuple[dict, list[float]]:
+def train(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool = False) -> tuple[dict, list[float]]:
+    """Parameters and losses after ``steps``.  ``microbatched``: the model sees one microbatch
+    at a time (each loss scaled by mbs / B), for models whose output depends on the batch."""
     job = load_job(spec, search)
     model = job.model
     opt = build_optimizer(spec, model.parameters())
@@ -29,9 +31,16 @@ def train(spec: JobSpec, steps: int | None = None, search=()) -> tuple[dict, lis
         e, s = divmod(g, n // b)
         idx = epoch_order(n, t.seed, e, t.shuffle)[s * b:(s + 1) * b]
         x, y = job.samples.batch(idx)
-        loss = job.loss(model(x), y)
         opt.zero_grad()
-        loss.backward()
+        if microbatched:
+            m, loss = t.microbatch_size, torch.zeros(())
+            for j in range(0, b, m):
+                part = job.loss(model(x[j:j + m]), y[j:j + m]) * (m / b)
+                part.backward()
+                loss = loss + part.detach()
+        else:
+            loss = job.loss(model(x), y)
+            loss.backward()
         opt.step()
         losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses

@@ -53,6 +53,29 @@ def test_worker_exception_fails_job_with_traceback(ray_session, tmp_path, transp
     assert relaytrain_actors(ray_session) == []  # no worker left behind
 
 
+def test_activation_shape_that_varies_needs_the_object_store(ray_session, tmp_path):
+    """The collective transport receives into buffers of the first microbatch's shape: an activation
+    whose shape varies fails the job with what to change; the object store carries it exactly."""
+    spec = user_spec(model={"builder": "userpkg.models:ragged"}, training={
+        "global_batch_size": 32, "microbatch_size": 4, "steps": 4, "shuffle": False})
+    with pytest.raises(JobFailed) as e:
+        run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path / "a"), progress=False, timeout=60)
+    assert str(e.value).startswith(
+        "worker w0.0 at step 1 raised ValueError: stage 0 (layers 0-1) produced an activation of shape (4, 8) "
+        "torch.float32 for microbatch 1, but the pipeline was set up for (4, 4) torch.float32"), str(e.value)
+    assert "set parallelism.transport: object_store for activations whose shape varies" in str(e.value)
+    assert not (tmp_path / "a" / "model.pt").exists()
+
+    store = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"transport": "object_store"})})
+    run_job(spec=store, spec_dir=FIXTURES, out=str(tmp_path / "b"), progress=False, timeout=60)
+    want, losses = reference.train(store, search=[str(FIXTURES)], microbatched=True)
+    got = torch.load(tmp_path / "b" / "model.pt")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+    rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+
+
 def test_bad_spec_starts_no_actor(ray_session, tmp_path):
     spec = user_spec(parallelism={"dp": 1, "pp": 9})
     with pytest.raises(SpecError, match="parallelism.pp is 9 but the model has only 4 layers"):
@@ -178,3 +201,19 @@ def test_fit_check_uses_the_autoscaling_ceiling(ray_session):
     check_fits(spec, max_cpus=16)  # an autoscaler can grow the cluster to 16: accepted
     with pytest.raises(SpecError, match="needs 12 CPU slots .* but the cluster has 10"):
         check_fits(spec, max_cpus=10)
+
+
+def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_path):
+    from service.runner import _Outputs
+
+    def run(append, steps):
+        o = _Outputs(tmp_path, append=append)
+        o.write(o.metrics, [{"step": s} for s in steps])
+        o.event("finished", "done")
+        o.close()
+        return [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")]
+
+    assert run(False, [1, 2, 3]) == [1, 2, 3]
+    assert run(False, [1, 2]) == [1, 2]  # not the previous run's rows and then these
+    assert run(True, [3, 4]) == [1, 2, 3, 4]
+    assert len(open(tmp_path / "events.jsonl").readlines()) == 2

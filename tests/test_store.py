@@ -130,3 +130,14 @@ def test_artifacts_are_kept_and_replaced(store):
     store.put_artifact("a", "model.pt", b"\x00first")
     store.put_artifact("a", "model.pt", b"\x00second" * 1000)
     assert store.get_artifact("a", "model.pt") == b"\x00second" * 1000
+
+
+def test_sqlite_store_in_a_home_that_does_not_exist_yet(tmp_path, monkeypatch):
+    """A fresh machine has no ~/.local/share: the embedded store creates its folder."""
+    from service.settings import Settings
+
+    monkeypatch.setenv("RELAYTRAIN_HOME", str(tmp_path / "fresh" / "home"))
+    s = Store(Settings().db_url)
+    s.create_job("j1", "local", SPEC)
+    assert s.get_job("j1", "local")["state"] == JobState.PENDING.value
+    assert (tmp_path / "fresh" / "home" / "relaytrain.db").exists()
