@@ -44,7 +44,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 # relaytrain against torch.distributed.pipelining, Ray Train and one process (README, "Against
-# the peers"); about 15 minutes on 2 cores.  `make bench-peers BENCH_ARGS=--quick`: M = 8 only.
+# the peers"); about 9 minutes on 2 cores.  `make bench-peers BENCH_ARGS=--quick`: M = 8 only, 2.5 minutes.
 bench-peers: $(BENCH_STAMP)
 	$(PY) bench/peers.py $(BENCH_ARGS)
 

@@ -171,7 +171,7 @@ def test_store_keeps_a_ring_of_the_newest_timelines(store_url):
 
 
 def test_sink_writes_a_timeline_a_second_and_the_last_with_a_state_change(tmp_path, monkeypatch):
-    from actors.scheduler import StoreSink
+    from actors.store_sink import StoreSink
 
     store = make_store(tmp_path, ("j", "t"))
     sink = StoreSink(store.url, "j")
