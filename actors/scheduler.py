@@ -22,6 +22,7 @@ from actors.cluster import NodeWatch
 from actors.elastic import Elasticity, merge_states, subset_state
 from actors.failures import JobFailure, WorkerLost, is_comm_error, lost_actor, worker_failure
 from actors.metrics import JobMetrics
+from actors.output import OutputTap
 from actors.store_sink import StoreSink
 from actors.worker import StageWorker
 from service import checkpoint, partition, planner, schedules, timeline
@@ -41,6 +42,7 @@ class JobScheduler(Elasticity):
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
                  store_url: Optional[str] = None, detached: bool = False, preflight: bool = False):
+        self.output = OutputTap.install()  # user code runs here too (preflight, the layer profile)
         self.job_id = job_id
         self.detached = detached
         self.run_preflight = preflight
@@ -148,10 +150,33 @@ class JobScheduler(Elasticity):
             self._event("failed", msg, detail=traceback.format_exc())
             self._set_state(JobState.FAILED, msg)
         finally:
+            self._drain_output()
             self._teardown()
         final = self.poll(len(self.metrics), len(self.events))
         final["timelines"] = list(self.timelines)
         return final
+
+    def _log_output(self, by_cell: dict) -> None:
+        """Send what the workers (by cell) and this actor printed to the job's log."""
+        rows = [{"time": t, "source": "scheduler", "stream": st, "line": line} for t, st, line in self.output.take()]
+        for (r, s), lines in sorted(by_cell.items()):
+            rows += [{"time": t, "source": f"w{r}.{s}", "stream": st, "line": line} for t, st, line in lines]
+        if rows and self.sink:
+            rows.sort(key=lambda row: row["time"])
+            self.sink.write(logs=rows)
+
+    def _drain_output(self) -> None:
+        """At the end (a failure above all): what the workers printed since their last result."""
+        refs = {c: w.take_output.remote() for c, w in self.workers.items()}
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
+        got = {}
+        for c, ref in refs.items():
+            try:
+                got[c] = ray.get(ref, timeout=0)
+            except Exception:
+                continue  # gone, or still busy: its lines stay in Ray's log files
+        self._log_output(got)
 
     def _run(self) -> None:
         spec = self.spec
@@ -455,6 +480,7 @@ class JobScheduler(Elasticity):
                             pings[k] = w.ping.remote()
         if not errors:
             return out
+        self._log_output({k: r.pop("output", []) for k, r in out.items() if isinstance(r, dict)})  # step discarded
         if first_error is None:
             t_error = time.time()
         user = {k: e for k, e in errors.items() if not is_comm_error(e) and not lost_actor(e)}
@@ -491,6 +517,7 @@ class JobScheduler(Elasticity):
                 step = self._recover(step, refs, lost)
                 continue
             t1 = time.time()
+            self._log_output({c: st.pop("output", []) for c, st in stats.items()})
             row = self._metrics_row(step, stats, t1 - t0, B)
             with self._lock:
                 self.timelines.append({"step": step + 1, "workers": {

@@ -7,6 +7,7 @@ import time
 from typing import Any, Optional
 
 from service import timeline
+from service.store import LOG_KEEP, Store
 from service.states import JobState
 
 
@@ -17,11 +18,10 @@ class StoreSink:
     the one waiting goes with any state change, so an ended job shows its last step."""
 
     def __init__(self, url: str, job_id: str):
-        from service.store import Store
-
         self.store, self.job_id = Store(url), job_id
         self._events: list[dict] = []
         self._metrics: list[dict] = []
+        self._logs: list[dict] = []
         self._fields: dict[str, Any] = {}
         self._state: Optional[tuple[JobState, Optional[str]]] = None
         self._timeline: Optional[dict] = None
@@ -29,11 +29,12 @@ class StoreSink:
         self._lock = threading.Lock()
 
     def write(self, events=(), metrics=(), state: Optional[JobState] = None, error: Optional[str] = None,
-              timeline_entry: Optional[dict] = None, **fields) -> None:
+              timeline_entry: Optional[dict] = None, logs=(), **fields) -> None:
         """Queue rows, job fields and a state change, then try to write everything queued."""
         with self._lock:
             self._events += list(events)
             self._metrics += list(metrics)
+            self._logs = (self._logs + list(logs))[-LOG_KEEP:]
             self._fields.update(fields)
             if state is not None:
                 self._state = (state, error)
@@ -46,6 +47,9 @@ class StoreSink:
                 if self._metrics:
                     self.store.add_metrics(self.job_id, self._metrics)
                     self._metrics = []
+                if self._logs:
+                    self.store.add_logs(self.job_id, self._logs)
+                    self._logs = []
                 if self._fields:
                     self.store.update_job(self.job_id, **self._fields)
                     self._fields = {}

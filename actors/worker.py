@@ -37,6 +37,7 @@ except ImportError:  # another torch: every backward stays whole
     stage_backward_input = stage_backward_weight = None
 
 from actors.collectives import GradBuckets, Group, SharedMemorySum
+from actors.output import OutputTap
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from service import schedules
 from service.loading import build_data, build_loss, build_model, build_optimizer
@@ -88,6 +89,7 @@ class StageAborted(RuntimeError):
 
 class StageWorker:
     def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
+        self.output = OutputTap.install()  # what user code prints goes to the job's log too
         self.job_id = job_id
         self.spec = JobSpec.model_validate(spec)
         self.search = [os.getcwd(), *search]
@@ -189,6 +191,10 @@ class StageWorker:
 
     def ping(self) -> bool:
         return True
+
+    def take_output(self) -> list:
+        """Lines printed in this process since the last step's result (see actors/output.py)."""
+        return self.output.take()
 
     def configure(self, cell: dict, sources: list) -> dict:
         """Take the cell ``cell`` of a (new) shape at ``cell['committed']`` steps.
@@ -352,7 +358,7 @@ class StageWorker:
             if self.applied != step:
                 raise RuntimeError(f"{self!r} is at step {self.applied} but was asked to run step {step + 1}")
         try:
-            return dict(self._run_step(step), called=called)
+            return dict(self._run_step(step), called=called, output=self.output.take())
         except BaseException:
             self.pending = None
             # peers may wait on us: close our side of the group so they fail fast too

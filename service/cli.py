@@ -191,7 +191,7 @@ def _events(client, args):
 
 @_remote
 def _logs(client, args):
-    sys.stdout.write(client.logs(args.job))
+    sys.stdout.write(client.logs(args.job, args.source, args.tail))
 
 
 @_remote
@@ -273,7 +273,10 @@ def main(argv=None) -> int:
     st = remote("status", _status, "show one job")
     st.add_argument("--json", action="store_true")
     remote("events", _events, "show a job's events")
-    remote("logs", _logs, "show a job's log")
+    lg = remote("logs", _logs, "show a job's log: its events and what its workers printed, by time")
+    lg.add_argument("--source", choices=["all", "events", "output"], default="all",
+                    help="events only, the actors' output only, or both (default)")
+    lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
     remote("cancel", _cancel, "cancel a job")
     tl = remote("timeline", _timeline, "a recent step as measured on the workers: text, --json, or an SVG swimlane")
     tl.add_argument("--step", type=int, default=None, help="a step the server keeps (default: the newest kept)")

@@ -59,6 +59,17 @@ metrics = sa.Table(
     sa.Column("data", sa.JSON, nullable=False),
 )
 
+logs = sa.Table(
+    "logs", metadata,
+    sa.Column("id", sa.Integer, primary_key=True, autoincrement=True),
+    sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), nullable=False, index=True),
+    sa.Column("time", sa.Float, nullable=False),
+    sa.Column("source", sa.String(64), nullable=False),   # "w<dp>.<pp>" or "scheduler"
+    sa.Column("stream", sa.String(8), nullable=False),    # "stdout" or "stderr"
+    sa.Column("line", sa.Text, nullable=False),
+)
+LOG_KEEP = 20000  # lines of output kept per job: the newest
+
 timelines = sa.Table(
     "timelines", metadata,
     sa.Column("job_id", sa.String(80), sa.ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
@@ -296,6 +307,25 @@ class Store:
              .order_by(metrics.c.step).limit(limit))
         with self.engine.connect() as c:
             return [json.loads(d) if isinstance(d, str) else d for d in c.execute(q).scalars()]
+
+    def add_logs(self, job_id: str, rows: list[dict], keep: int = LOG_KEEP) -> None:
+        """Record lines the job's actors printed ({time, source, stream, line}); only the
+        newest ``keep`` lines of a job are kept."""
+        if not rows:
+            return
+        with self.engine.begin() as c:
+            c.execute(logs.insert(), [{"job_id": job_id, **{k: r[k] for k in ("time", "source", "stream", "line")}}
+                                      for r in rows])
+            edge = c.execute(sa.select(logs.c.id).where(logs.c.job_id == job_id).order_by(logs.c.id.desc())
+                             .offset(keep).limit(1)).scalar()
+            if edge is not None:
+                c.execute(logs.delete().where(logs.c.job_id == job_id, logs.c.id <= edge))
+
+    def get_logs(self, job_id: str, after: int = 0, limit: int = 100000) -> list[dict]:
+        q = sa.select(logs).where(logs.c.job_id == job_id, logs.c.id > after).order_by(logs.c.id).limit(limit)
+        with self.engine.connect() as c:
+            return [{"id": r.id, "time": r.time, "source": r.source, "stream": r.stream, "line": r.line}
+                    for r in c.execute(q)]
 
     # ---------------------------------------------------------------- timelines
 

@@ -124,7 +124,16 @@ def test_submit_with_user_code_follow_and_download_model(server):
         assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
         kinds = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
         assert kinds[0] == "submitted" and "started" in kinds and kinds[-1] == "finished"
-        assert "finished" in c.get(f"/v1/jobs/{job['id']}/logs").text
+        logs = c.get(f"/v1/jobs/{job['id']}/logs").text
+        assert "finished" in logs
+        # what the user's builder printed, in each actor that built the model, tagged with it
+        for who in ("scheduler", "w0.0", "w0.1"):
+            assert f"[{who} stdout] userpkg: building a 32-wide model" in logs, logs
+        output = c.get(f"/v1/jobs/{job['id']}/logs", params={"source": "output"}).text
+        assert "userpkg: building" in output and "finished" not in output
+        last = c.get(f"/v1/jobs/{job['id']}/logs", params={"source": "events", "tail": 1}).text
+        assert last.count("\n") == 1 and "finished" in last and "userpkg" not in last
+        assert c.get(f"/v1/jobs/{job['id']}/logs", params={"source": "stdout"}).status_code == 422
 
 
 def test_cancel_running_job_stops_its_workers(server, ray_session):
@@ -314,6 +323,11 @@ def test_cli_on_a_failing_job(server):
     assert "failed" in ev.stdout and "boom from a user layer" in ev.stdout
     logs = cli(server, "logs", job["id"])
     assert "Traceback" in logs.stdout and "models.py" in logs.stdout
+    # what the failing layer printed just before it raised, then the failure
+    printed = logs.stdout.index("[w0.1 stdout] Exploding: call 3, input (8, 16)")
+    assert printed < logs.stdout.index(" failed ")
+    tail = cli(server, "logs", job["id"], "--source", "output", "--tail", "1")
+    assert tail.returncode == 0 and tail.stdout.strip().endswith("[w0.1 stdout] Exploding: call 3, input (8, 16)")
     ls = cli(server, "list", "--state", "FAILED")
     assert job["id"] in ls.stdout
     cancel = cli(server, "cancel", job["id"])

@@ -141,3 +141,17 @@ def test_sqlite_store_in_a_home_that_does_not_exist_yet(tmp_path, monkeypatch):
     s.create_job("j1", "local", SPEC)
     assert s.get_job("j1", "local")["state"] == JobState.PENDING.value
     assert (tmp_path / "fresh" / "home" / "relaytrain.db").exists()
+
+
+def test_logs_in_order_and_only_the_newest_kept(store):
+    store.create_job("j1", "local", SPEC)
+    store.create_job("j2", "local", SPEC)
+    rows = [{"time": 100.0 + i, "source": f"w0.{i % 2}", "stream": "stdout", "line": f"line {i}"} for i in range(8)]
+    store.add_logs("j1", rows[:5], keep=6)
+    store.add_logs("j2", rows[:1], keep=6)
+    store.add_logs("j1", rows[5:], keep=6)
+    got = store.get_logs("j1")
+    assert [r["line"] for r in got] == [f"line {i}" for i in range(2, 8)]
+    assert got[0]["source"] == "w0.0" and got[0]["stream"] == "stdout" and got[0]["time"] == 102.0
+    assert [r["line"] for r in store.get_logs("j1", after=got[3]["id"])] == ["line 6", "line 7"]
+    assert [r["line"] for r in store.get_logs("j2")] == ["line 0"]  # another job's lines are its own

@@ -1,7 +1,7 @@
 """/v1/jobs: submit, list, inspect, cancel, follow and download jobs."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import PlainTextResponse
@@ -76,15 +76,10 @@ def job_model(job_id: str, manager: ManagerDep, tenant: TenantDep):
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS)
-def job_logs(job_id: str, manager: ManagerDep, tenant: TenantDep) -> str:
-    """The job's log: its events as text lines, failures with their tracebacks."""
-    import datetime
-
-    manager.get(tenant, job_id)
-    lines = []
-    for e in manager.store.get_events(job_id, 0, 100000):
-        t = datetime.datetime.fromtimestamp(e["time"], datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
-        lines.append(f"{t} {e['type']:<10} {e['message']}")
-        if e.get("detail"):
-            lines += ["    " + ln for ln in str(e["detail"]).splitlines()]
-    return "\n".join(lines) + "\n"
+def job_logs(job_id: str, manager: ManagerDep, tenant: TenantDep,
+             source: Annotated[Literal["all", "events", "output"], Query(
+                 description="'events' (the job's events, failures with tracebacks), 'output' (what the "
+                             "workers and the scheduler printed) or 'all', merged by time")] = "all",
+             tail: Annotated[Optional[int], Query(ge=1, le=100000, description="only the last N lines")] = None) -> str:
+    """The job's log as text: its events, and what its actors printed (`[w0.1 stdout] ...`)."""
+    return manager.log_text(tenant, job_id, source, tail)
