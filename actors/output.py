@@ -3,8 +3,9 @@
 ``OutputTap.install()`` wraps the process's ``sys.stdout`` and ``sys.stderr``: every write
 still goes to the original stream (Ray's log files and the driver's console see it as
 before), and complete lines are also kept, with their time and stream, until the scheduler
-takes them with a step's result.  What Python writes is caught (print, warnings, logging to
-a stream handler); what C++ writes straight to the file descriptor is not.
+takes them with a step's result (Ray's own marker lines excepted).  What Python writes is
+caught (print, warnings, logging to a stream handler); what C++ writes straight to the file
+descriptor is not.
 
 Bounded: a line is cut at ``MAX_LINE`` characters, and at most ``MAX_KEPT`` lines wait; a
 process that prints faster than it is read loses the oldest, and the next ``take`` says how
@@ -20,6 +21,8 @@ from typing import Optional
 
 MAX_LINE = 2000
 MAX_KEPT = 2000
+# lines Ray itself prints for its log monitor (ray._private.ray_constants.LOG_PREFIX_*): not the user's
+RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:", ":event_summary:", ":info_message:")
 
 
 class _Tee:
@@ -77,6 +80,8 @@ class OutputTap:
             tee._partial = rest
             now = time.time()
             for line in lines:
+                if line.startswith(RAY_MARKERS):
+                    continue
                 if len(self._lines) == self._lines.maxlen:
                     self._dropped += 1
                 self._lines.append((now, tee._name, line[: self.max_line]))

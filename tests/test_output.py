@@ -49,3 +49,11 @@ def test_a_long_line_written_in_pieces_is_one_line_cut_to_its_head():
     for piece in ("y" * 6, "y" * 6, "y" * 20, "z\n", "next\n"):
         o.write(piece)
     assert [line for *_, line in tap.take()] == ["y" * 10, "next"]
+
+
+def test_rays_marker_lines_are_not_the_users():
+    tap, out, _, o, _ = tapped()
+    print(":actor_name:relaytrain:job:w0.1", file=o)
+    print("mine", file=o)
+    assert [line for *_, line in tap.take()] == ["mine"]
+    assert out.getvalue().startswith(":actor_name:")  # Ray's log monitor still sees it

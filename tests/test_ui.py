@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from service import timeline
+from tests.conftest import FIXTURES
 from tests.test_api import ALICE, BOB, Server, cli, small_spec, wait_state
 
 CHROMIUM = "/usr/bin/chromium"
@@ -189,6 +190,17 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             kinds = page.eval_on_selector_all("#events li", "ls => ls.map(l => l.dataset.type)")
             assert kinds[0] == "submitted" and "shape" in kinds and kinds[-1] == "cancelled"
             page.screenshot(path=str(ARTIFACTS / "ui-job.png"), full_page=True)
+            # what a job's user code printed, under Output (the built-in model above prints nothing)
+            done = cli(server, "submit", os.path.join(FIXTURES, "user_job.yaml"), "--wait", "--json")
+            assert done.returncode == 0, done.stderr
+            printed = json.loads(done.stdout.strip().splitlines()[-1])["id"]
+            page.goto(server.url + f"/#/jobs/{printed}")
+            page.wait_for_selector(f'#view-job[data-job-id="{printed}"][data-state="SUCCEEDED"]')
+            page.wait_for_function("() => document.querySelector('#output').textContent.includes('userpkg: build')")
+            output = page.locator("#output").inner_text()
+            assert int(page.locator("#output").get_attribute("data-lines")) == len(output.strip().splitlines())
+            for who in ("scheduler", "w0.0", "w0.1"):
+                assert f"[{who} stdout] userpkg: building a 32-wide model" in output, output
             assert errors == []
         finally:
             browser.close()

@@ -198,10 +198,12 @@ function openJob(id) {
   $("#view-list").hidden = true;
   $("#view-job").hidden = false;
   view = { kind: "job", id, metrics: [], lastStep: 0, events: [], eventsAfter: 0, timelineKey: null,
-           pinned: null, job: null };
+           pinned: null, job: null, output: null };
   $("#job-name").textContent = id;
   $("#job-id").textContent = id;
   $("#events").replaceChildren();
+  $("#output").textContent = "";
+  $("#output").dataset.lines = "0";
   $("#swimlane").replaceChildren(el("p", { class: "empty", text: "No step measured yet." }));
   $("#timeline-step").replaceChildren(el("option", { value: "", text: "latest" }));
   $("#util-measured").textContent = $("#util-plan").textContent = "–";
@@ -222,6 +224,7 @@ async function refreshJob(gen) {
     drawJobHead(job);
     await loadMetrics(v);
     await loadEvents(v);
+    await loadOutput(v);
     if (gen !== generation) return;
     const drawn = `${v.metrics.length}:${v.events.length}`;
     if (drawn !== v.drawn) { drawCharts(v); v.drawn = drawn; }
@@ -283,6 +286,16 @@ async function loadEvents(v) {
       el("span", { class: "kind " + e.type, text: e.type.replace("_", " ") }), msg));
   }
   list.scrollTop = list.scrollHeight;
+}
+
+async function loadOutput(v) {
+  const text = await api(`/v1/jobs/${encodeURIComponent(v.id)}/logs?source=output&tail=500`, { as: "text" });
+  if (text === v.output) return;
+  v.output = text;
+  const pre = $("#output");
+  pre.textContent = text || "Nothing printed yet.";
+  pre.dataset.lines = String(text ? text.trimEnd().split("\n").length : 0);
+  pre.scrollTop = pre.scrollHeight;
 }
 
 function drawShape(job) {
