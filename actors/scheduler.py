@@ -96,6 +96,13 @@ class JobScheduler(Elasticity):
         if self.sink:
             self.sink.write(events=[row])
 
+    def _end(self, state: JobState, kind: str, message: str, **fields) -> None:
+        """The job's last event and state, after what its actors printed (a follower of the
+        log, who stops at the end, sees every line, and the output before why the job ended)."""
+        self._drain_output()
+        self._event(kind, message, **fields)
+        self._set_state(state, message if state is JobState.FAILED else None)
+
     def _set_state(self, state: JobState, error: Optional[str] = None) -> None:
         with self._lock:
             self.state = state
@@ -143,14 +150,11 @@ class JobScheduler(Elasticity):
         try:
             self._run()
         except (JobFailure, SpecError) as e:
-            self._event("failed", str(e), detail=getattr(e, "detail", ""))
-            self._set_state(JobState.FAILED, str(e))
+            self._end(JobState.FAILED, "failed", str(e), detail=getattr(e, "detail", ""))
         except Exception as e:  # a bug or an unexpected Ray error: still say why
             msg = f"the scheduler raised {type(e).__name__}: {e}"
-            self._event("failed", msg, detail=traceback.format_exc())
-            self._set_state(JobState.FAILED, msg)
+            self._end(JobState.FAILED, "failed", msg, detail=traceback.format_exc())
         finally:
-            self._drain_output()
             self._teardown()
         final = self.poll(len(self.metrics), len(self.events))
         final["timelines"] = list(self.timelines)
@@ -205,9 +209,8 @@ class JobScheduler(Elasticity):
         if self.state is JobState.RUNNING:
             if self.sink and self.detached:
                 self._save_model()
-            self._event("finished", f"job finished: {spec.training.steps} steps, last loss "
-                        f"{self.metrics[-1]['loss']:.6g}" if self.metrics else "job finished")
-            self._set_state(JobState.SUCCEEDED)
+            self._end(JobState.SUCCEEDED, "finished", f"job finished: {spec.training.steps} steps, last loss "
+                      f"{self.metrics[-1]['loss']:.6g}" if self.metrics else "job finished")
 
     # ---------------------------------------------------------------- planning
 
@@ -504,8 +507,7 @@ class JobScheduler(Elasticity):
         step = start
         while step < steps:
             if self._cancel.is_set():
-                self._event("cancelled", f"job cancelled after {step} committed steps")
-                self._set_state(JobState.CANCELLED)
+                self._end(JobState.CANCELLED, "cancelled", f"job cancelled after {step} committed steps")
                 return
             if self.elastic:
                 step = self._at_boundary(step)  # a reshape may go back to an older copy

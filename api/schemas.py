@@ -44,6 +44,14 @@ class EventOut(BaseModel):
     message: str
 
 
+class OutputLineOut(BaseModel):
+    id: int
+    time: float
+    source: str = Field(description="the actor that printed it: 'w<dp>.<pp>' or 'scheduler'")
+    stream: str = Field(description="'stdout' or 'stderr'")
+    line: str
+
+
 class PackageOut(BaseModel):
     sha256: str
     uri: str = Field(description="name this in a spec's runtime_env.working_dir")

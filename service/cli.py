@@ -191,7 +191,33 @@ def _events(client, args):
 
 @_remote
 def _logs(client, args):
-    sys.stdout.write(client.logs(args.job, args.source, args.tail))
+    if not args.follow:
+        sys.stdout.write(client.logs(args.job, args.source, args.tail))
+        return
+    import time
+
+    from service.logtext import merged
+    from service.states import JobState
+
+    ev_after = out_after = 0
+    tail = args.tail  # the first round only, as `tail -f -n N`
+    while True:
+        ended = JobState(client.job(args.job)["state"]).is_terminal  # read before the lines: none is missed
+        lines = []
+        while True:  # everything new, a page at a time
+            events = client.events(args.job, ev_after) if args.source in ("all", "events") else []
+            output = client.output(args.job, out_after) if args.source in ("all", "output") else []
+            if not events and not output:
+                break
+            ev_after = events[-1]["id"] if events else ev_after
+            out_after = output[-1]["id"] if output else out_after
+            lines += merged(events, output)
+        for line in lines[-tail:] if tail else lines:
+            print(line, flush=True)
+        tail = None
+        if ended:
+            return
+        time.sleep(1.0)
 
 
 @_remote
@@ -277,6 +303,7 @@ def main(argv=None) -> int:
     lg.add_argument("--source", choices=["all", "events", "output"], default="all",
                     help="events only, the actors' output only, or both (default)")
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
+    lg.add_argument("-f", "--follow", action="store_true", help="print new lines as they come until the job ends")
     remote("cancel", _cancel, "cancel a job")
     tl = remote("timeline", _timeline, "a recent step as measured on the workers: text, --json, or an SVG swimlane")
     tl.add_argument("--step", type=int, default=None, help="a step the server keeps (default: the newest kept)")

@@ -67,6 +67,9 @@ class Client:
     def timeline(self, job_id: str, step: Optional[int] = None) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}/timeline", params={"step": step} if step is not None else {}).json()
 
+    def output(self, job_id: str, after: int = 0) -> list[dict]:
+        return self._call("GET", f"/v1/jobs/{job_id}/output", params={"after": after}).json()
+
     def logs(self, job_id: str, source: str = "all", tail: Optional[int] = None) -> str:
         params = {"source": source, **({"tail": tail} if tail is not None else {})}
         return self._call("GET", f"/v1/jobs/{job_id}/logs", params=params).text

@@ -7,7 +7,6 @@ whose scheduler actor is gone (the cluster restarted), so none stays RUNNING for
 """
 from __future__ import annotations
 
-import datetime
 import logging
 import threading
 import time
@@ -15,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from service import packages
+from service import logtext, packages
 from service.loading import check_structure
 from service.runner import check_fits, scheduler_placement
 from service.settings import Settings
@@ -25,10 +24,6 @@ from service.store import Store
 
 log = logging.getLogger("relaytrain.jobs")
 NAMESPACE = "relaytrain"
-
-
-def _stamp(t: float) -> str:
-    return datetime.datetime.fromtimestamp(t, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M:%S")
 
 
 class JobError(Exception):
@@ -242,19 +237,12 @@ class JobManager:
         return self.get(tenant, job_id)
 
     def log_text(self, tenant: str, job_id: str, source: str = "all", tail: Optional[int] = None) -> str:
-        """The job's events (failures with their tracebacks) and what its actors printed,
-        merged by time, as text lines; ``source``: "all", "events" or "output"."""
+        """The job's events and what its actors printed, merged by time, as text; ``source``:
+        "all", "events" or "output"."""
         self.get(tenant, job_id)
-        entries = []  # (time, 0 for an event | 1 for output, id, its lines)
-        if source in ("all", "events"):
-            for e in self.store.get_events(job_id, 0, 100000):
-                lines = [f"{_stamp(e['time'])} {e['type']:<10} {e['message']}"]
-                lines += ["    " + ln for ln in str(e.get("detail") or "").splitlines()]
-                entries.append((e["time"], 0, e["id"], lines))
-        if source in ("all", "output"):
-            for o in self.store.get_logs(job_id):
-                entries.append((o["time"], 1, o["id"], [f"{_stamp(o['time'])} [{o['source']} {o['stream']}] {o['line']}"]))
-        lines = [ln for *_, group in sorted(entries, key=lambda e: e[:3]) for ln in group]
+        events = self.store.get_events(job_id, 0, 100000) if source in ("all", "events") else []
+        output = self.store.get_logs(job_id) if source in ("all", "output") else []
+        lines = logtext.merged(events, output)
         if tail is not None:
             lines = lines[-tail:]
         return "".join(ln + "\n" for ln in lines)

@@ -321,11 +321,14 @@ class Store:
             if edge is not None:
                 c.execute(logs.delete().where(logs.c.job_id == job_id, logs.c.id <= edge))
 
-    def get_logs(self, job_id: str, after: int = 0, limit: int = 100000) -> list[dict]:
-        q = sa.select(logs).where(logs.c.job_id == job_id, logs.c.id > after).order_by(logs.c.id).limit(limit)
+    def get_logs(self, job_id: str, after: int = 0, limit: int = 100000, tail: bool = False) -> list[dict]:
+        """Lines after id ``after``, oldest first: the first ``limit`` of them, or the last with ``tail``."""
+        q = sa.select(logs).where(logs.c.job_id == job_id, logs.c.id > after)
+        q = q.order_by(logs.c.id.desc() if tail else logs.c.id).limit(limit)
         with self.engine.connect() as c:
-            return [{"id": r.id, "time": r.time, "source": r.source, "stream": r.stream, "line": r.line}
+            rows = [{"id": r.id, "time": r.time, "source": r.source, "stream": r.stream, "line": r.line}
                     for r in c.execute(q)]
+        return rows[::-1] if tail else rows
 
     # ---------------------------------------------------------------- timelines
 

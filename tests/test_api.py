@@ -107,9 +107,20 @@ def cli(server, *args, token=ALICE):
 
 def test_submit_with_user_code_follow_and_download_model(server):
     path = os.path.join(FIXTURES, "user_job.yaml")
-    p = cli(server, "submit", path, "--wait", "--json")
+    p = cli(server, "submit", path, "--json")
     assert p.returncode == 0, p.stderr
-    job = json.loads(p.stdout.strip().splitlines()[-1])
+    submitted = json.loads(p.stdout.strip().splitlines()[-1])
+    # follow the job's log while it runs: it returns when the job ends, with every line once
+    follow = cli(server, "logs", submitted["id"], "--follow")
+    assert follow.returncode == 0, follow.stderr
+    assert " finished   job finished: 5 steps, last loss " in follow.stdout.splitlines()[-1]
+    assert "[w0.1 stdout] userpkg: building a 32-wide model" in follow.stdout
+    with server.client() as c:
+        job = c.get(f"/v1/jobs/{submitted['id']}").json()
+        whole = c.get(f"/v1/jobs/{job['id']}/logs").text
+        # the same lines, each once (a line printed in a step arrives with the step's result,
+        # so while following it may come after an event that is newer)
+        assert sorted(follow.stdout.splitlines()) == sorted(whole.splitlines())
     assert job["state"] == "SUCCEEDED" and job["step"] == job["steps"] == 5
     assert job["spec"]["runtime_env"]["working_dir"].startswith("gcs://_ray_pkg_")
     with server.client() as c:
@@ -326,6 +337,7 @@ def test_cli_on_a_failing_job(server):
     # what the failing layer printed just before it raised, then the failure
     printed = logs.stdout.index("[w0.1 stdout] Exploding: call 3, input (8, 16)")
     assert printed < logs.stdout.index(" failed ")
+    assert cli(server, "logs", job["id"], "--follow").stdout == logs.stdout  # an ended job: all, at once
     tail = cli(server, "logs", job["id"], "--source", "output", "--tail", "1")
     assert tail.returncode == 0 and tail.stdout.strip().endswith("[w0.1 stdout] Exploding: call 3, input (8, 16)")
     ls = cli(server, "list", "--state", "FAILED")

@@ -154,4 +154,5 @@ def test_logs_in_order_and_only_the_newest_kept(store):
     assert [r["line"] for r in got] == [f"line {i}" for i in range(2, 8)]
     assert got[0]["source"] == "w0.0" and got[0]["stream"] == "stdout" and got[0]["time"] == 102.0
     assert [r["line"] for r in store.get_logs("j1", after=got[3]["id"])] == ["line 6", "line 7"]
+    assert [r["line"] for r in store.get_logs("j1", limit=2, tail=True)] == ["line 6", "line 7"]
     assert [r["line"] for r in store.get_logs("j2")] == ["line 0"]  # another job's lines are its own

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import PlainTextResponse
 
 from api.deps import ManagerDep, TenantDep
-from api.schemas import ErrorOut, EventOut, JobOut, JobPage
+from api.schemas import ErrorOut, EventOut, JobOut, JobPage, OutputLineOut
 from service.spec import JobSpec
 from service.states import JobState
 
@@ -55,6 +55,18 @@ def job_events(job_id: str, manager: ManagerDep, tenant: TenantDep,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
     manager.get(tenant, job_id)
     return manager.store.get_events(job_id, after, limit)
+
+
+@router.get("/{job_id}/output", response_model=list[OutputLineOut], responses=ERRORS)
+def job_output(job_id: str, manager: ManagerDep, tenant: TenantDep,
+               after: Annotated[int, Query(ge=0, description="only lines with a larger id")] = 0,
+               limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
+               tail: Annotated[bool, Query(description="the last `limit` lines instead of the first")] = False
+               ) -> list[dict]:
+    """What the job's workers and scheduler printed, a line each, oldest first (the store keeps
+    a job's newest 20,000 lines)."""
+    manager.get(tenant, job_id)
+    return manager.store.get_logs(job_id, after, limit, tail=tail)
 
 
 @router.get("/{job_id}/metrics", response_model=list[dict], responses=ERRORS)

@@ -198,7 +198,7 @@ function openJob(id) {
   $("#view-list").hidden = true;
   $("#view-job").hidden = false;
   view = { kind: "job", id, metrics: [], lastStep: 0, events: [], eventsAfter: 0, timelineKey: null,
-           pinned: null, job: null, output: null };
+           pinned: null, job: null, output: [], outputAfter: 0 };
   $("#job-name").textContent = id;
   $("#job-id").textContent = id;
   $("#events").replaceChildren();
@@ -288,13 +288,23 @@ async function loadEvents(v) {
   list.scrollTop = list.scrollHeight;
 }
 
+const OUTPUT_LINES = 500;
+
 async function loadOutput(v) {
-  const text = await api(`/v1/jobs/${encodeURIComponent(v.id)}/logs?source=output&tail=500`, { as: "text" });
-  if (text === v.output) return;
-  v.output = text;
+  // the newest lines at first, then what came since
+  const base = `/v1/jobs/${encodeURIComponent(v.id)}/output?limit=${OUTPUT_LINES}`;
+  const rows = await api(v.outputAfter ? `${base}&after=${v.outputAfter}` : `${base}&tail=true`);
+  if (v !== view) return;  // another job was opened meanwhile
   const pre = $("#output");
-  pre.textContent = text || "Nothing printed yet.";
-  pre.dataset.lines = String(text ? text.trimEnd().split("\n").length : 0);
+  if (!rows.length) {
+    if (!v.output.length) pre.textContent = "Nothing printed yet.";
+    return;
+  }
+  v.outputAfter = rows[rows.length - 1].id;
+  for (const o of rows) v.output.push(`${fmtClock(o.time)} [${o.source} ${o.stream}] ${o.line}`);
+  v.output.splice(0, Math.max(0, v.output.length - OUTPUT_LINES));
+  pre.textContent = v.output.join("\n");
+  pre.dataset.lines = String(v.output.length);
   pre.scrollTop = pre.scrollHeight;
 }
 
