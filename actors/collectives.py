@@ -128,7 +128,6 @@ class Group:
         gc.collect()  # frees ProcessGroupGloo objects nobody references any more
 
 
-
 class GradBuckets:
     """The data-parallel gradient all-reduce (SUM) of one stage, in buckets whose flat
     buffers the gradients accumulate into directly (DDP's ``gradient_as_bucket_view``): no

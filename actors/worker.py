@@ -114,7 +114,7 @@ class StageWorker:
         self.inbox = Inbox()
         self.transport = None
         self.stage_group = None
-        self.buckets = None               # the stage's gradient sum: SharedMemorySum or GradBuckets
+        self.buckets = None               # the stage's gradient sum (dp > 1): SharedMemorySum or GradBuckets
         self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self._child_names: Optional[list[str]] = None
@@ -377,7 +377,7 @@ class StageWorker:
         timeline = []
         tr = self.transport
         tr.begin_step(step, self.receives)
-        reduce = self.buckets if self.stage_group is not None else None
+        reduce = self.buckets  # None without replicas
         if reduce is not None:
             reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
         t_begin = time.time()
