@@ -8,7 +8,6 @@ once.  Timelines are a ring: each job keeps the newest few written (``put_timeli
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional
@@ -16,6 +15,7 @@ from typing import Any, Iterable, Optional
 import sqlalchemy as sa
 from sqlalchemy.exc import IntegrityError
 
+from service.settings import Settings
 from service.states import JobState
 
 SCHEMA_VERSION = 1  # new tables are created at start and older code ignores them: no bump
@@ -102,15 +102,6 @@ meta = sa.Table(
 JOB_FIELDS = [c.name for c in jobs.columns]
 
 
-def default_url() -> str:
-    """A SQLite file under the user's data folder."""
-    from platformdirs import user_data_dir
-
-    folder = Path(os.environ.get("RELAYTRAIN_HOME") or user_data_dir("relaytrain"))
-    folder.mkdir(parents=True, exist_ok=True)
-    return f"sqlite:///{folder / 'relaytrain.db'}"
-
-
 def _normalise(url: str) -> str:
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://"):]
@@ -121,7 +112,7 @@ def _normalise(url: str) -> str:
 
 class Store:
     def __init__(self, url: Optional[str] = None):
-        self.url = _normalise(url or default_url())
+        self.url = _normalise(url or Settings().db_url)  # SQLite under RELAYTRAIN_HOME
         kwargs: dict[str, Any] = {"future": True}
         if self.url.startswith("sqlite"):
             kwargs["connect_args"] = {"check_same_thread": False, "timeout": 30}
