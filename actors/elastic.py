@@ -42,25 +42,19 @@ class Elasticity:
     def _take_snapshot(self, committed: int) -> None:
         """Ask every stage for a copy of its committed state (before the next step is sent, so
         it is served first) and keep it in this actor's memory, off the workers' nodes.  A
-        thread waits for it while the next step runs; the step after that waits for it if it
-        has not landed, so the copy is never more than one step behind."""
+        thread fetches it while the next step runs, and that step commits only once it is here
+        (``_snapshot_landed``), so the copy is never more than one step behind."""
         if self._snap_thread is not None:
             self._snap_thread.join(30.0)
         with self._snap_cond:
             self._snap_busy += 1
+            self._snap_wanted = committed
         t0 = time.monotonic()
-        refs = [self.workers[(0, s)].snapshot.remote(committed) for s in range(self.cur.pp)]
+        refs = [[self.workers[(0, s)].snapshot.remote(committed)] for s in range(self.cur.pp)]
 
         def fetch():
             try:
-                parts = ray.get(refs, timeout=self.timeout)
-                if all(p is not None and p["step"] == committed for p in parts):
-                    with self._snap_cond:
-                        self.snapshot_s = time.monotonic() - t0
-                        if self.snap is None or self.snap["step"] < committed:
-                            self.snap = {"step": committed, **merge_states(parts)}
-            except Exception:
-                pass  # a worker was lost meanwhile: the previous snapshot stays
+                self._fetch_snapshot(committed, refs, t0, self.timeout)
             finally:
                 with self._snap_cond:
                     self._snap_busy -= 1
@@ -68,6 +62,43 @@ class Elasticity:
 
         self._snap_thread = threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True)
         self._snap_thread.start()
+
+    def _fetch_snapshot(self, committed: int, refs: list, t0: float, timeout: float) -> bool:
+        """Keep the copy of step ``committed`` from ``refs`` (per stage, the snapshot calls of
+        one or more of its replicas: the first good answer counts).  False if a stage gave none."""
+        deadline = time.monotonic() + timeout
+        parts = []
+        for stage_refs in refs:
+            for ref in stage_refs:
+                try:
+                    part = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+                except Exception:
+                    continue  # that worker was lost (or its node's object store is gone)
+                if part is not None and part["step"] == committed:
+                    parts.append(part)
+                    break
+            else:
+                return False
+        with self._snap_cond:
+            self.snapshot_s = time.monotonic() - t0
+            if self.snap is None or self.snap["step"] < committed:
+                self.snap = {"step": committed, **merge_states(parts)}
+        return True
+
+    def _snapshot_landed(self) -> bool:
+        """Before a step commits: is the copy asked for after the previous commit here?  Waits
+        for a fetch in flight and, if it failed, asks every replica of each stage once more.
+        False means the workers cannot hand out their state (their node is going): the step
+        must not commit, or a lost stage would go back more than one step."""
+        wanted = self._snap_wanted
+        if wanted is None or (self.snap is not None and self.snap["step"] >= wanted):
+            return True
+        self._snapshot_settled()
+        if self.snap is not None and self.snap["step"] >= wanted:
+            return True
+        refs = [[self.workers[(r, s)].snapshot.remote(wanted) for r in range(self.cur.dp)]
+                for s in range(self.cur.pp)]
+        return self._fetch_snapshot(wanted, refs, time.monotonic(), timeout=3.0)
 
     def _snapshot_settled(self, timeout: float = 5.0) -> None:
         """Let a snapshot being fetched land (or fail) before choosing a copy."""
@@ -253,6 +284,7 @@ class Elasticity:
         previous = dict(self.workers)
         self._install(shape, why, assign, committed, copy=copy, donors=donors, copy_layers=copy_layers)
         self._snap_thread = None  # a copy still being fetched from the old shape is not waited for
+        self._snap_wanted = None
         for c, h in list(previous.items()) + [(c, h) for c, h in keep.items() if c not in previous]:
             if h not in self.workers.values():
                 try:

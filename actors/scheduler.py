@@ -69,6 +69,7 @@ class JobScheduler(Elasticity):
         self.watch: Optional[NodeWatch] = None
         self.snap: Optional[dict] = None                 # off-node copy of every stage: {step, model, optim}
         self._snap_busy = 0                              # snapshot fetches in flight
+        self._snap_wanted: Optional[int] = None          # the step of the newest copy asked for
         self._snap_thread: Optional[threading.Thread] = None
         self.snapshot_s: Optional[float] = None          # seconds from a commit to its copy landing here
         self._snap_cond = threading.Condition()
@@ -517,6 +518,11 @@ class JobScheduler(Elasticity):
                 stats = self._gather(refs, step, self.timeout)
             except WorkerLost as lost:
                 step = self._recover(step, refs, lost)
+                continue
+            if snap_every and not self._snapshot_landed():
+                failure = JobFailure(f"the off-node copy of step {self._snap_wanted} could not be fetched from "
+                                     "the workers (a node is going)")
+                step = self._recover(step, refs, WorkerLost(failure, set(), time.time()))
                 continue
             t1 = time.time()
             self._log_output({c: st.pop("output", []) for c, st in stats.items()})
