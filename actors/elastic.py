@@ -259,7 +259,7 @@ class Elasticity:
         committed = self.step
         self._set_state(JobState.RESHAPING)
         held = {layer for c in donors for layer in range(*self.where[c]["layers"]) if c in self.where}
-        lost_layers = set(range(self.facts.layers)) - held
+        lost_layers = set(range(self.facts.layers)) - held - self.stateless  # a stateless layer is rebuilt
         copy, copy_layers, steps_lost, restored = None, None, 0, None
         if lost_layers:
             self._snapshot_settled()

@@ -24,7 +24,7 @@ from actors.failures import JobFailure, WorkerLost, is_comm_error, lost_actor, w
 from actors.metrics import JobMetrics
 from actors.output import OutputTap
 from actors.store_sink import StoreSink
-from actors.worker import StageWorker
+from actors.worker import StageWorker, has_state
 from service import checkpoint, partition, planner, schedules, timeline
 from service.loading import build_data, build_model, preflight
 from service.sampling import step_indices
@@ -81,6 +81,7 @@ class JobScheduler(Elasticity):
         self._high = 0                                   # the highest step ever committed
         self._suspect: set[str] = set()                  # nodes that lost workers, until Ray marks them dead
         self._final: Optional[dict] = None
+        self.stateless: set[int] = set()                 # layers with no parameters and no persistent buffers
         self.timelines: collections.deque = collections.deque(maxlen=16)  # recent steps only
         self._cancel = threading.Event()
         self._lock = threading.Lock()
@@ -242,6 +243,7 @@ class JobScheduler(Elasticity):
                 metas.append((tuple(h.shape), h.dtype))
                 act_bytes.append(h.numel() * h.element_size())
         params = [sum(q.numel() * q.element_size() for q in layer.parameters()) for layer in model]
+        self.stateless = {i for i, layer in enumerate(model) if not has_state(layer)}  # built whole at any step
         return planner.LayerFacts(seconds, params, act_bytes), metas
 
     def _model(self, dp: int, pp: int, sizes) -> planner.Shape:
@@ -393,7 +395,7 @@ class JobScheduler(Elasticity):
                 if key not in copy_refs:
                     copy_refs[key] = ray.put(subset_state(copy, set(from_copy)))
                 sources.append(copy_refs[key])
-            missing = need - held - copy_layers
+            missing = need - held - copy_layers - self.stateless
             if missing and committed > 0:
                 by_donor: dict = {}
                 for layer in sorted(missing):

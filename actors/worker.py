@@ -83,6 +83,13 @@ def layer_of(name: str) -> int:
     return int(name.split(".", 1)[0])
 
 
+def has_state(layer: nn.Module) -> bool:
+    """Does ``layer`` carry state that must move with it (parameters or persistent buffers)?
+    A layer without any (an activation, a reshape, a dropout) is complete once it is built,
+    at any step; non-persistent buffers are made again by its constructor."""
+    return bool(layer.state_dict())
+
+
 class StageAborted(RuntimeError):
     """The scheduler discarded the step this worker was running (a peer was lost)."""
 
@@ -121,6 +128,8 @@ class StageWorker:
         self._aborted: Optional[int] = None
 
     def __repr__(self) -> str:
+        if self.dp_rank is None:  # started for a scale-up or a new shape, before it took a cell
+            return f"relaytrain:{self.job_id}: a joining worker (pid {os.getpid()}, no cell yet)"
         return f"relaytrain:{self.job_id}:w{self.dp_rank}.{self.pp_rank}"
 
     # ---------------------------------------------------------------- commits
@@ -221,14 +230,14 @@ class StageWorker:
             layers = {}
             for i in range(lo, hi):
                 if i in self.layers:
-                    if self.applied != committed and i not in covered:
+                    if self.applied != committed and i not in covered and has_state(self.layers[i]):
                         raise RuntimeError(f"{self!r} holds layer {i} at step {self.applied}, not at the "
                                            f"committed step {committed}, and no copy was sent")
                     layers[i] = self.layers[i]
                     continue
                 if full is None:
                     full = self._build_model()
-                if i not in covered and committed > 0:
+                if i not in covered and committed > 0 and has_state(full[i]):
                     raise RuntimeError(f"{self!r} got no copy of layer {i} at step {committed}")
                 layers[i] = full[i].to(self.device)
             if self._child_names is None:

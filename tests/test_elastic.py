@@ -18,24 +18,34 @@ import pytest
 from service.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
+from tests.conftest import FIXTURES
 from tests.test_engine import assert_same_params
 
 STEPS = 40
+COSTS = [0.1, 10, 10, 10, 10, 10, 10, 0.1]  # the mlp's entries: a light input, 6 hidden layers, a light head
+# the mlp with its ReLUs as entries of their own (no state: nothing to copy when they move)
+SEPARATE = [0.1, 0.01] + [10, 0.01] * 6 + [0.1]
+# tests/fixtures/userpkg/models.py:entries, as users write models: GELU, SiLU, ReLU, Tanh, a Dropout(0),
+# an Unflatten and a Flatten as entries of their own between Linear and residual (LayerNorm) blocks
+ENTRIES_MODEL = {"builder": "userpkg.models:entries", "args": {"in_features": 64, "width": 128, "dtype": "float64"}}
+ENTRIES = [0.01, 10, 0.01, 10, 10, 0.01, 10, 0.01, 0.01, 0.01, 10, 0.01, 10, 0.01, 10, 0.1]
 
 
-def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float64", **elastic):
+def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float64", model=None, costs=COSTS,
+                 separate_activations=False, **elastic):
     wide = {"float32": 1, "float64": 2}[dtype]
     return parse_spec({
         "name": name,
         # 6 hidden layers of 64 KiB (float32) between a light input and a light head; with momentum SGD a worker
         # needs ~3x its parameters
-        "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 7, "dtype": dtype}},
+        "model": model or {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 7, "dtype": dtype,
+                                                    "separate_activations": separate_activations}},
         "data": {"kind": "digits"},
         "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},  # Adam magnifies summation-order noise (README)
         "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 3},
         # the planner's costs are declared, not profiled: its choices do not depend on a noisy CPU
         "parallelism": {"dp": dp, "pp": pp, "transport": transport,
-                        "layer_costs_ms": [0.1, 10, 10, 10, 10, 10, 10, 0.1]},
+                        "layer_costs_ms": costs},
         # the whole model (~1.25 MB in float32 with gradients and momentum, twice that in float64) does not fit one
         # worker, half of it does:
         # every shape has at least two stages
@@ -89,8 +99,8 @@ def with_nodes(cluster, n):
 class Job:
     """run_job in a thread, with a view of its scheduler for the test to act on."""
 
-    def __init__(self, spec, tmp_path):
-        self.spec, self.out = spec, str(tmp_path)
+    def __init__(self, spec, tmp_path, spec_dir=None):
+        self.spec, self.out, self.spec_dir = spec, str(tmp_path), spec_dir
         self.result, self.error = None, None
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
@@ -98,7 +108,8 @@ class Job:
 
     def _run(self):
         try:
-            self.result = run_job(spec=self.spec, out=self.out, progress=False, timeout=60, record=False)
+            self.result = run_job(spec=self.spec, out=self.out, progress=False, timeout=60, record=False,
+                                  spec_dir=self.spec_dir)
         except BaseException as e:  # noqa: BLE001 - the test reads it
             self.error = e
 
@@ -147,10 +158,10 @@ def events(result, kind):
     return found
 
 
-def check_result(result, spec):
+def check_result(result, spec, search=()):
     rows = [m for m in result["metrics"] if not m.get("rerun")]
     assert [m["step"] for m in rows] == list(range(1, spec.training.steps + 1))  # every step committed once
-    want, losses = reference.train(spec)
+    want, losses = reference.train(spec, search=search)
     for m, loss in zip(rows, losses):
         assert m["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
     return want
@@ -163,9 +174,11 @@ def final_params(tmp_path):
 
 
 def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
+    """A user's model with parameterless entries (activations, a reshape, a dropout): the
+    reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold."""
     with_nodes(cluster, 4)
-    spec = elastic_spec("lose-node", 2, 2, dtype="float32")  # 40 steps: float32 stays within tolerance
-    job = Job(spec, tmp_path)
+    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES)
+    job = Job(spec, tmp_path, spec_dir=FIXTURES)
     p = job.wait_step(10)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (2, 2)
     victim = p["shape"]["workers"]["w1.1"]
@@ -173,7 +186,7 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
     result = job.finish()
     assert job.error is None, job.error
     assert result["state"] == "SUCCEEDED"
-    want = check_result(result, spec)
+    want = check_result(result, spec, search=[FIXTURES])
     assert_same_params(final_params(tmp_path), want)
     [reshape] = events(result, "reshape")
     assert reshape["old_shape"] == [2, 2] and reshape["new_shape"] == [1, 3]
@@ -184,7 +197,8 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
 
 def test_node_added_mid_run_scales_up(cluster, tmp_path):
     with_nodes(cluster, 2)
-    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400)
+    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400, separate_activations=True,
+                        costs=SEPARATE)  # the new workers take ReLU entries: built, not copied
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)  # the preferred 2x2 does not fit 2 slots

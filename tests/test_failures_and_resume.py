@@ -92,29 +92,35 @@ def test_job_larger_than_cluster_is_refused(ray_session, tmp_path):
         run_job(spec=spec, out=str(tmp_path), progress=False)
 
 
-def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path):
+@pytest.mark.parametrize("model", [
+    {"kind": "mlp", "args": {"hidden": 32, "layers": 3}},
+    # the ReLUs are entries of their own: the 1x3 stages take layers with no state (nothing to copy)
+    {"builder": "userpkg.models:classifier", "args": {"width": 32}},
+], ids=["builtin-mlp", "user-classifier-with-relu-entries"])
+def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path, model):
     ckpt = tmp_path / "ckpt"
     spec = parse_spec({
-        "name": "resume", "model": {"kind": "mlp", "args": {"hidden": 32, "layers": 3}}, "data": {"kind": "digits"},
+        "name": "resume", "model": model, "data": {"kind": "digits"},
         "optimizer": {"name": "adam", "lr": 0.003},
         "training": {"global_batch_size": 64, "microbatch_size": 16, "steps": 9, "seed": 2},
         "parallelism": {"dp": 2, "pp": 2, "transport": "collective"},
         "checkpoint": {"every_steps": 4, "path": str(ckpt), "keep": 5},
     })
-    run_job(spec=spec, out=str(tmp_path / "a"), progress=False)
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path / "a"), progress=False)
     assert [p.name for p in checkpoint.list_checkpoints(ckpt)] == ["step-00000004", "step-00000008", "step-00000009"]
     full = torch.load(tmp_path / "a" / "model.pt")
-    want, _ = reference.train(spec)
+    want, _ = reference.train(spec, search=[FIXTURES])
     for k in want:
         torch.testing.assert_close(full[k], want[k], rtol=1e-4, atol=2e-5)
     # resume from step 4 in another shape: same parameters as the uninterrupted run
     other = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"dp": 1, "pp": 3})})
-    final = run_job(spec=other, out=str(tmp_path / "b"), progress=False, resume=str(ckpt / "step-00000004"))
+    final = run_job(spec=other, spec_dir=FIXTURES, out=str(tmp_path / "b"), progress=False,
+                    resume=str(ckpt / "step-00000004"))
     resumed = torch.load(tmp_path / "b" / "model.pt")
     for k in want:
         torch.testing.assert_close(resumed[k], full[k], rtol=1e-4, atol=2e-5)
     rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
-    assert [r["step"] for r in rows] == [5, 6, 7, 8, 9]
+    assert [r["step"] for r in rows] == [5, 6, 7, 8, 9]  # every step after the checkpoint committed once
     assert any(e["type"] == "resumed" for e in final["events"])
 
 

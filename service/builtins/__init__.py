@@ -33,22 +33,25 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def mlp(in_features: int = 64, hidden: int = 128, layers: int = 4, out_features: int = 10,
-        dtype: str = "float32") -> nn.Sequential:
+        dtype: str = "float32", separate_activations: bool = False) -> nn.Sequential:
     """``layers`` hidden Linear+ReLU blocks, then a Linear head (one Sequential entry per layer).
-    ``dtype="float64"`` trains in double precision (the float32 input is cast by the first layer)."""
+    ``separate_activations=True`` makes each ReLU an entry of its own, as most user code writes
+    it (2 * layers + 1 entries; a ReLU entry has no state).  ``dtype="float64"`` trains in
+    double precision (the float32 input is cast by the first layer)."""
     dt = _dtype(dtype)
     mods: list[nn.Module] = []
     width = in_features
     for _ in range(layers):
-        mods += [nn.Sequential(Linear(width, hidden, dtype=dt), nn.ReLU())]
+        linear = Linear(width, hidden, dtype=dt)
+        mods += [linear, nn.ReLU()] if separate_activations else [nn.Sequential(linear, nn.ReLU())]
         width = hidden
     mods.append(Linear(width, out_features, dtype=dt))
     return nn.Sequential(*mods)
 
 
 def regression_mlp(in_features: int = 16, hidden: int = 64, layers: int = 3, out_features: int = 1,
-                   dtype: str = "float32") -> nn.Sequential:
-    return mlp(in_features, hidden, layers, out_features, dtype)
+                   dtype: str = "float32", separate_activations: bool = False) -> nn.Sequential:
+    return mlp(in_features, hidden, layers, out_features, dtype, separate_activations)
 
 
 def cnn(channels: int = 16, classes: int = 10) -> nn.Sequential:
