@@ -1,6 +1,7 @@
 """k8s/ validated offline: every object of the base and each overlay against the KubeRay
 v1.7 CRDs or Kubernetes' own schemas (strict); versions and ranges agree with the project;
-and the validator itself catches broken manifests."""
+Ray's token authentication is on, with the control plane sending the RayCluster's token; and the
+validator itself catches broken manifests."""
 from __future__ import annotations
 
 import copy
@@ -9,6 +10,7 @@ import tomllib
 
 import pytest
 
+from service.rayconnect import auth_config, unusable_token_message
 from service.spec import ELASTIC_MAX_WORKERS, ELASTIC_MIN_WORKERS
 from tests.k8s_tools import ROOT, render, validate
 
@@ -88,12 +90,40 @@ def test_control_plane_references_exist():
     for ref in container["envFrom"]:
         the(objs, "ConfigMap", ref["configMapRef"]["name"])
     for env in container["env"]:
+        if "value" in env:
+            continue
         key = env["valueFrom"]["secretKeyRef"]
         assert key["key"] in the(objs, "Secret", key["name"])["stringData"]
     settings = the(objs, "ConfigMap", "relaytrain-settings")["data"]
     assert settings["RELAYTRAIN_RAY_ADDRESS"].startswith("ray://relaytrain-head-svc:")
     svc = the(objs, "Service", "relaytrain-api")
     assert svc["spec"]["selector"] == api["spec"]["selector"]["matchLabels"]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_ray_token_auth_is_on_and_the_control_plane_sends_the_same_token(folder):
+    objs = objects(folder)
+    cluster = the(objs, "RayCluster")
+    auth = cluster["spec"]["authOptions"]
+    assert auth == {"mode": "token", "secretName": auth["secretName"]}
+    secret = the(objs, "Secret", auth["secretName"])
+    assert set(secret["stringData"]) == {"auth_token"}  # the key KubeRay reads
+    api = the(objs, "Deployment", "relaytrain-api")["spec"]["template"]["spec"]["containers"][0]
+    env = {e["name"]: e for e in api["env"]}
+    assert env["RAY_AUTH_MODE"]["value"] == "token"  # Ray Client sends the token only in token mode
+    assert env["RAY_AUTH_TOKEN"]["valueFrom"] == {"secretKeyRef": {"name": auth["secretName"], "key": "auth_token"}}
+    assert the(objs, "ConfigMap", "relaytrain-settings")["data"]["RELAYTRAIN_RAY_ADDRESS"].startswith("ray://")
+    # KubeRay injects both into every Ray container unless one sets them itself: none may
+    for c in _containers(cluster):
+        assert not {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}
+    assert not {e["name"] for e in cluster["spec"]["autoscalerOptions"].get("env", [])} & {"RAY_AUTH_MODE"}
+
+
+def test_the_placeholder_ray_token_is_refused_by_the_control_plane():
+    token = the(objects(), "Secret", "relaytrain-ray-auth")["stringData"]["auth_token"]
+    message = unusable_token_message("ray://relaytrain-head-svc:10001",
+                                     auth_config({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": token}))
+    assert message and "still the placeholder of k8s/secret.yaml" in message
 
 
 def test_overlays_apply_their_patches():
@@ -125,6 +155,14 @@ def test_validator_catches_missing_required_kuberay_field():
     cluster = copy.deepcopy(the(objects(), "RayCluster"))
     del cluster["spec"]["workerGroupSpecs"][0]["template"]["spec"]["containers"]
     assert any("containers" in p and "required" in p for p in validate(cluster))
+
+
+def test_validator_catches_bad_auth_options():
+    cluster = copy.deepcopy(the(objects(), "RayCluster"))
+    cluster["spec"]["authOptions"]["mode"] = "tokens"
+    assert any("authOptions.mode" in p and "is not one of ['disabled', 'token']" in p for p in validate(cluster))
+    cluster["spec"]["authOptions"] = {"mode": "token", "secret": "relaytrain-ray-auth"}
+    assert any("authOptions" in p and "'secret' was unexpected" in p for p in validate(cluster))
 
 
 def test_validator_ignores_nulls_and_defaulted_required_fields():
