@@ -145,23 +145,47 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
     if cap < min_workers:
         return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive, "
                               f"the job needs at least elastic.min_workers={min_workers}", slots)
+    shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, schedule=schedule, transport=transport,
+                                  optimizer=optimizer, partition_rule=partition_rule)
+    if not shapes:
+        return _wait_for_a_fit(slots, M, min_workers, cap, memory_bytes, too_big)
+    return _choose(shapes, slots, preferred, current, min_gain)
+
+
+def _candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, memory_bytes: Optional[float],
+                **model) -> tuple[list[Shape], list[Shape]]:
+    """Every shape of ``min_workers..cap`` workers whose replicas share the ``M`` microbatches
+    evenly, modelled (``model``: :func:`model_shape`'s keywords): those that fit
+    ``memory_bytes`` and those too big."""
     shapes, too_big = [], []
     for pp in range(1, min(facts.layers, cap) + 1):
         for dp in range(1, cap // pp + 1):
             if M % dp or dp * pp < min_workers:
                 continue
-            s = model_shape(facts, dp, pp, M, schedule=schedule, transport=transport, optimizer=optimizer,
-                            partition_rule=partition_rule)
+            s = model_shape(facts, dp, pp, M, **model)
             (too_big if memory_bytes is not None and s.memory_bytes > memory_bytes else shapes).append(s)
-    if not shapes:
-        if too_big:
-            least = min(too_big, key=lambda s: s.memory_bytes)
-            return Decision(None, f"waiting for workers: no shape of at most {cap} workers fits "
-                                  f"resources.memory_per_worker_mb={memory_bytes / 2**20:g} (the smallest stage, of "
-                                  f"shape {least.label()}, needs {least.memory_bytes / 2**20:.3g} MB)", slots,
-                            tuple(too_big))
-        return Decision(None, f"waiting for workers: no shape of {min_workers}..{cap} workers divides the "
-                              f"{M} microbatches of a step", slots)
+    return shapes, too_big
+
+
+def _wait_for_a_fit(slots: int, M: int, min_workers: int, cap: int, memory_bytes: Optional[float],
+                    too_big: list[Shape]) -> Decision:
+    """Wait, saying why no shape can run: none fits the memory (and what the least needs), or
+    none divides the step's microbatches."""
+    if too_big:
+        least = min(too_big, key=lambda s: s.memory_bytes)
+        return Decision(None, f"waiting for workers: no shape of at most {cap} workers fits "
+                              f"resources.memory_per_worker_mb={memory_bytes / 2**20:g} (the smallest stage, of "
+                              f"shape {least.label()}, needs {least.memory_bytes / 2**20:.3g} MB)", slots,
+                        tuple(too_big))
+    return Decision(None, f"waiting for workers: no shape of {min_workers}..{cap} workers divides the "
+                          f"{M} microbatches of a step", slots)
+
+
+def _choose(shapes: list[Shape], slots: int, preferred: tuple[int, int], current: Optional[tuple[int, int]],
+            min_gain: float) -> Decision:
+    """The fastest of ``shapes`` (ties: closest to ``current``, else to ``preferred``; then the
+    fewest workers), unless ``current`` (or, when there is none, ``preferred``) is within
+    ``min_gain`` of it."""
     pref = preferred if current is None else current
     best = min(shapes, key=lambda s: (s.step_s, _closeness(s, pref), s.workers))
     considered = tuple(sorted(shapes, key=lambda s: s.step_s))

@@ -25,7 +25,3 @@ def step_indices(step: int, n: int, batch: int, seed: int, shuffle: bool) -> tor
         raise ValueError(f"{n} samples cannot fill a batch of {batch}")
     epoch, s = divmod(step, per_epoch)
     return epoch_order(n, seed, epoch, shuffle)[s * batch:(s + 1) * batch]
-
-
-def microbatch_indices(step: int, mb: int, n: int, batch: int, mbs: int, seed: int, shuffle: bool) -> torch.Tensor:
-    return step_indices(step, n, batch, seed, shuffle)[mb * mbs:(mb + 1) * mbs]

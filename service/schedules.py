@@ -20,7 +20,6 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Iterable
 
 SCHEDULES = ("gpipe", "1f1b")
 
@@ -145,6 +144,15 @@ def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2) -> T
     cost_b = Fraction(backward_cost).limit_denominator(1000)
     if cost_b <= 0:
         raise ValueError(f"backward cost must be positive, got {backward_cost}")
+    _validate(schedule)
+    start, end = _clock(schedule, cost_b)
+    busy = tuple(sum((end[a] - start[a] for a in acts), Fraction(0)) for acts in schedule.order)
+    return Timing(start, end, max(end.values()), busy)
+
+
+def _validate(schedule: Schedule) -> None:
+    """Raise :class:`ScheduleError` unless every stage runs the F and the B of each
+    microbatch exactly once, the F first."""
     p, m = schedule.stages, schedule.microbatches
     if len(schedule.order) != p:
         raise ScheduleError(f"plan has {len(schedule.order)} stage rows, expected {p}")
@@ -168,11 +176,18 @@ def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2) -> T
             elif a.mb not in seen_f:
                 raise ScheduleError(f"{a} comes before {i}F{a.mb} on stage {i}\n{render_plan(schedule)}")
 
+
+def _clock(schedule: Schedule, cost_b: Fraction) -> tuple[dict[Action, Fraction], dict[Action, Fraction]]:
+    """Start and end of each action of a valid plan (forward = 1, backward = ``cost_b``):
+    sweep the stages, running each one's next actions while their dependencies have ended,
+    until all have run.  Raises :class:`ScheduleError` with the stuck cells marked when a
+    sweep runs nothing."""
+    p = schedule.stages
     start: dict[Action, Fraction] = {}
     end: dict[Action, Fraction] = {}
     pos = [0] * p
     free = [Fraction(0)] * p
-    remaining = 2 * m * p
+    remaining = 2 * schedule.microbatches * p
     while remaining:
         progressed = False
         for i in range(p):
@@ -196,8 +211,7 @@ def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2) -> T
                     for a in stuck
                 ) + "\n" + render_plan(schedule, mark=set(stuck))
             )
-    busy = tuple(sum((end[a] - start[a] for a in acts), Fraction(0)) for acts in schedule.order)
-    return Timing(start, end, max(end.values()), busy)
+    return start, end
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
@@ -247,13 +261,3 @@ def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2) -
         f"utilization={float(timing.utilization):.1%}"
     )
     return "\n".join(lines)
-
-
-def replica_microbatches(total: int, dp: int, rank: int) -> range:
-    """Global microbatch ids of replica ``rank``: ``[rank*M/dp, (rank+1)*M/dp)``."""
-    per = total // dp
-    return range(rank * per, (rank + 1) * per)
-
-
-def action_strings(acts: Iterable[Action]) -> str:
-    return " ".join(str(a) for a in acts)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import dataclass
 from typing import Iterable, Optional
 from xml.sax.saxutils import escape, quoteattr
 
@@ -172,29 +173,64 @@ def _pct(x: Optional[float]) -> str:
     return "-" if x is None else f"{x:.1%}"
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """Where things go in the swimlane: pixel sizes of the margins and lanes, and the time scale."""
+
+    width: int
+    lanes: int
+    span: float        # seconds the plot spans: the step's span, never 0
+    left: int = 150    # lane labels to the left of this, the plot to the right
+    right: int = 16
+    top: int = 58      # the title and the utilization line above this
+    lane_h: int = 30
+    gap: int = 8       # between lanes
+
+    @property
+    def plot_w(self) -> int:
+        return self.width - self.left - self.right
+
+    @property
+    def sx(self) -> float:
+        """Pixels per second."""
+        return self.plot_w / self.span
+
+    @property
+    def bottom(self) -> int:
+        """Just below the last lane: the time axis' labels go here."""
+        return self.lane_y(self.lanes)
+
+    @property
+    def height(self) -> int:
+        return self.bottom + 44
+
+    def lane_y(self, i: int) -> int:
+        return self.top + i * (self.lane_h + self.gap)
+
+    def x(self, t: float) -> float:
+        return round(self.left + t * self.sx, 2)
+
+
 def render_svg(v: dict, width: int = 960, title: Optional[str] = None) -> str:
     """The swimlane of :func:`view`'s ``v`` as a standalone SVG document: a lane per worker
     (labelled ``w<dp>.<pp>`` and its node), a box per action at its measured start and end,
     coloured by microbatch (forward light, backward dark), idle time hatched.  Elements carry
     ``data-lane``, ``data-action`` and ``data-idle`` so pages and tests can find them."""
-    left, right, top, lane_h, gap = 150, 16, 58, 30, 8
-    lanes = v["lanes"]
-    plot_w = width - left - right
-    height = top + len(lanes) * (lane_h + gap) + 44
-    span = v["span_s"] or 1e-9
-    sx = plot_w / span
+    lay = _Layout(width, len(v["lanes"]), v["span_s"] or 1e-9)
+    out = [*_svg_open(v, lay), *_headline(v, lay, title), *_time_axis(lay)]
+    for i, lane in enumerate(v["lanes"]):
+        out += _lane(lane, lay.lane_y(i), lay)
+    out.append("</svg>")
+    return "\n".join(out) + "\n"
 
-    def x(t: float) -> float:
-        return round(left + t * sx, 2)
 
-    head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
-                     f"{v['schedule']}, {v['microbatches_per_replica']} microbatches per replica")
-    util = (f"measured utilization {_pct(v['utilization'])}  ·  plan {_pct(v['utilization_plan'])} "
-            f"(backward = 2 x forward)  ·  step span {_ms(v['span_s'])}")
+def _svg_open(v: dict, lay: _Layout) -> list[str]:
+    """The root element (its ``data-*`` say the step, lanes, utilizations and steps kept), the
+    idle hatching pattern and the white background."""
     available = " ".join(str(s) for s in v.get("available", []))
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="swimlane" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" data-step="{v["step"]}" data-lanes="{len(lanes)}" '
+    return [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="swimlane" width="{lay.width}" height="{lay.height}" '
+        f'viewBox="0 0 {lay.width} {lay.height}" data-step="{v["step"]}" data-lanes="{lay.lanes}" '
         f'data-utilization="{v["utilization"] if v["utilization"] is not None else ""}" '
         f'data-utilization-plan="{v["utilization_plan"] if v["utilization_plan"] is not None else ""}" '
         f'data-available="{available}" font-family="system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif">',
@@ -203,56 +239,84 @@ def render_svg(v: dict, width: int = 960, title: Optional[str] = None) -> str:
         '<rect width="6" height="6" fill="#f6f7f9"/><line x1="0" y1="0" x2="0" y2="6" stroke="#d5d9e0" '
         'stroke-width="2"/></pattern>',
         "</defs>",
-        f'<rect width="{width}" height="{height}" fill="#ffffff"/>',
-        f'<text x="{left}" y="22" font-size="14" font-weight="600" fill="#1f2933">{escape(head)}</text>',
-        f'<text x="{left}" y="42" font-size="12" fill="#52606d" class="utilization">{escape(util)}</text>',
+        f'<rect width="{lay.width}" height="{lay.height}" fill="#ffffff"/>',
     ]
-    # time axis: grid lines and labels in ms
-    step_ms = _tick_step(span * 1000)
-    axis_y = top + len(lanes) * (lane_h + gap) + 4
+
+
+def _headline(v: dict, lay: _Layout, title: Optional[str]) -> list[str]:
+    """Two lines above the lanes: ``title`` (default: job, step and shape), then the measured
+    and planned utilization and the step's span."""
+    head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
+                     f"{v['schedule']}, {v['microbatches_per_replica']} microbatches per replica")
+    util = (f"measured utilization {_pct(v['utilization'])}  ·  plan {_pct(v['utilization_plan'])} "
+            f"(backward = 2 x forward)  ·  step span {_ms(v['span_s'])}")
+    return [f'<text x="{lay.left}" y="22" font-size="14" font-weight="600" fill="#1f2933">{escape(head)}</text>',
+            f'<text x="{lay.left}" y="42" font-size="12" fill="#52606d" class="utilization">{escape(util)}</text>']
+
+
+def _time_axis(lay: _Layout) -> list[str]:
+    """A grid line at each round number of milliseconds across all lanes, its label below the
+    lanes, and the axis' caption."""
+    out = []
+    step_ms = _tick_step(lay.span * 1000)
+    axis_y = lay.bottom + 4
     t = 0.0
-    while t <= span * 1000 + 1e-9:
-        gx = x(t / 1000)
-        out.append(f'<line x1="{gx}" y1="{top - 4}" x2="{gx}" y2="{axis_y}" stroke="#eceff3" stroke-width="1"/>')
+    while t <= lay.span * 1000 + 1e-9:
+        gx = lay.x(t / 1000)
+        out.append(f'<line x1="{gx}" y1="{lay.top - 4}" x2="{gx}" y2="{axis_y}" stroke="#eceff3" stroke-width="1"/>')
         label = f"{t:g}" if step_ms >= 1 else f"{t:.2f}"
         out.append(f'<text x="{gx}" y="{axis_y + 14}" font-size="10" fill="#7b8794" text-anchor="middle">{label}</text>')
         t += step_ms
-    out.append(f'<text x="{left + plot_w}" y="{axis_y + 30}" font-size="10" fill="#7b8794" text-anchor="end">'
+    out.append(f'<text x="{lay.left + lay.plot_w}" y="{axis_y + 30}" font-size="10" fill="#7b8794" text-anchor="end">'
                f'ms since the step\'s first action</text>')
-    for i, lane in enumerate(lanes):
-        y = top + i * (lane_h + gap)
-        node = lane.get("node") or ""
-        busy = lane["busy_s"] / span if span > 0 else 0.0
-        out.append(f'<g class="lane" data-lane={quoteattr(lane["worker"])} data-node={quoteattr(node)} '
-                   f'data-actions="{len(lane["actions"])}">')
-        out.append(f'<text x="10" y="{y + 13}" font-size="13" font-weight="600" fill="#1f2933">'
-                   f'{escape(lane["worker"])}</text>')
-        out.append(f'<text x="10" y="{y + 26}" font-size="10" fill="#7b8794">'
-                   f'{escape(("node " + node[:8]) if node else "node ?")} · busy {busy:.0%}</text>')
-        # idle: the gaps between boxes within the step's span
-        cursor = 0.0
-        for b in lane["actions"] + [{"start": span, "end": span}]:
-            if b["start"] > cursor:
-                out.append(f'<rect class="idle" data-idle="1" x="{x(cursor)}" y="{y}" '
-                           f'width="{max(0.0, round((b["start"] - cursor) * sx, 2))}" height="{lane_h}" '
-                           f'fill="url(#rt-idle)"><title>idle {_ms(b["start"] - cursor)}</title></rect>')
-            cursor = max(cursor, b["end"])
-        for b in lane["actions"]:
-            bx, bw = x(b["start"]), max(1.0, round((b["end"] - b["start"]) * sx, 2))
-            fill = colour(b["mb"], b["kind"])
-            tip = (f'{lane["worker"]} {b["action"]} ({"forward" if b["kind"] == "F" else "backward"} of microbatch '
-                   f'{b["mb"]}): {_ms(b["end"] - b["start"])}, from +{_ms(b["start"])}')
-            out.append(f'<rect class="action" data-action={quoteattr(b["action"])} data-mb="{b["mb"]}" '
-                       f'data-kind="{b["kind"]}" data-start="{b["start"]}" data-end="{b["end"]}" x="{bx}" y="{y}" '
-                       f'width="{bw}" height="{lane_h}" rx="3" fill="{fill}" stroke="#ffffff" stroke-width="1">'
-                       f'<title>{escape(tip)}</title></rect>')
-            if bw >= 7 * len(b["action"]) + 4:
-                ink = "#1f2933" if b["kind"] == "F" else "#ffffff"
-                out.append(f'<text x="{round(bx + bw / 2, 2)}" y="{y + lane_h / 2 + 4}" font-size="11" '
-                           f'text-anchor="middle" fill="{ink}" pointer-events="none">{escape(b["action"])}</text>')
-        out.append("</g>")
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    return out
+
+
+def _lane(lane: dict, y: int, lay: _Layout) -> list[str]:
+    """One worker's lane at height ``y``: its labels, its idle gaps, its action boxes."""
+    node = lane.get("node") or ""
+    busy = lane["busy_s"] / lay.span if lay.span > 0 else 0.0
+    out = [f'<g class="lane" data-lane={quoteattr(lane["worker"])} data-node={quoteattr(node)} '
+           f'data-actions="{len(lane["actions"])}">',
+           f'<text x="10" y="{y + 13}" font-size="13" font-weight="600" fill="#1f2933">'
+           f'{escape(lane["worker"])}</text>',
+           f'<text x="10" y="{y + 26}" font-size="10" fill="#7b8794">'
+           f'{escape(("node " + node[:8]) if node else "node ?")} · busy {busy:.0%}</text>']
+    out += _idle_marks(lane["actions"], y, lay)
+    for b in lane["actions"]:
+        out += _action_box(lane["worker"], b, y, lay)
+    out.append("</g>")
+    return out
+
+
+def _idle_marks(actions: list[dict], y: int, lay: _Layout) -> list[str]:
+    """A hatched rectangle over each gap between a lane's boxes, within the step's span."""
+    out = []
+    cursor = 0.0
+    for b in actions + [{"start": lay.span, "end": lay.span}]:
+        if b["start"] > cursor:
+            out.append(f'<rect class="idle" data-idle="1" x="{lay.x(cursor)}" y="{y}" '
+                       f'width="{max(0.0, round((b["start"] - cursor) * lay.sx, 2))}" height="{lay.lane_h}" '
+                       f'fill="url(#rt-idle)"><title>idle {_ms(b["start"] - cursor)}</title></rect>')
+        cursor = max(cursor, b["end"])
+    return out
+
+
+def _action_box(worker: str, b: dict, y: int, lay: _Layout) -> list[str]:
+    """The box of one action ``b`` of :func:`view`'s lane, with a tooltip, and its name
+    written inside when it fits."""
+    bx, bw = lay.x(b["start"]), max(1.0, round((b["end"] - b["start"]) * lay.sx, 2))
+    tip = (f'{worker} {b["action"]} ({"forward" if b["kind"] == "F" else "backward"} of microbatch '
+           f'{b["mb"]}): {_ms(b["end"] - b["start"])}, from +{_ms(b["start"])}')
+    out = [f'<rect class="action" data-action={quoteattr(b["action"])} data-mb="{b["mb"]}" '
+           f'data-kind="{b["kind"]}" data-start="{b["start"]}" data-end="{b["end"]}" x="{bx}" y="{y}" '
+           f'width="{bw}" height="{lay.lane_h}" rx="3" fill="{colour(b["mb"], b["kind"])}" stroke="#ffffff" '
+           f'stroke-width="1"><title>{escape(tip)}</title></rect>']
+    if bw >= 7 * len(b["action"]) + 4:
+        ink = "#1f2933" if b["kind"] == "F" else "#ffffff"
+        out.append(f'<text x="{round(bx + bw / 2, 2)}" y="{y + lay.lane_h / 2 + 4}" font-size="11" '
+                   f'text-anchor="middle" fill="{ink}" pointer-events="none">{escape(b["action"])}</text>')
+    return out
 
 
 def summary(v: dict) -> str:

@@ -22,6 +22,7 @@ from tests.conftest import FIXTURES
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789abcd"
+CAROL = "carol-token-0123456789ab"  # only test_list_filters_and_paginates submits as carol
 
 
 def free_port() -> int:
@@ -34,8 +35,8 @@ class Server:
     def __init__(self, home, address, **env):
         self.home, self.address, self.port = str(home), address, free_port()
         self.env = {**os.environ, "RELAYTRAIN_HOME": self.home, "RAY_USAGE_STATS_ENABLED": "0",
-                    "RELAYTRAIN_API_TOKENS": f"alice:{ALICE},bob:{BOB}", "RELAYTRAIN_RECONCILE_SECONDS": "1",
-                    **env}
+                    "RELAYTRAIN_API_TOKENS": f"alice:{ALICE},bob:{BOB},carol:{CAROL}",
+                    "RELAYTRAIN_RECONCILE_SECONDS": "1", **env}
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc = None
 
@@ -237,12 +238,26 @@ def test_idempotent_retry_returns_the_same_job(server):
 
 
 def test_list_filters_and_paginates(server):
-    with server.client() as c:
-        page = c.get("/v1/jobs", params={"state": "SUCCEEDED", "limit": 1}).json()
-        assert page["limit"] == 1 and len(page["items"]) <= 1
-        assert all(j["state"] == "SUCCEEDED" for j in page["items"])
-        allj = c.get("/v1/jobs").json()["items"]
-        assert [j["created_at"] for j in allj] == sorted([j["created_at"] for j in allj], reverse=True)
+    """Carol's jobs are this test's alone, so each page's contents are known exactly."""
+    with server.client(CAROL) as c:
+        stopped = c.post("/v1/jobs", json=small_spec("stopped", steps=100000)).json()["id"]
+        c.post(f"/v1/jobs/{stopped}/cancel")
+        first, second = (c.post("/v1/jobs", json=small_spec(f"done{i}", steps=1)).json()["id"] for i in range(2))
+        wait_state(c, stopped, {"CANCELLED"}, timeout=60)
+        for job_id in (first, second):
+            wait_state(c, job_id, {"SUCCEEDED"})
+
+        def page(**params):
+            p = c.get("/v1/jobs", params=params).json()
+            return [j["id"] for j in p["items"]], p["total"], p["limit"], p["offset"]
+
+        assert page() == ([second, first, stopped], 3, 50, 0)  # newest first
+        assert page(state="CANCELLED") == ([stopped], 1, 50, 0)
+        assert page(state=["SUCCEEDED", "CANCELLED"]) == ([second, first, stopped], 3, 50, 0)
+        assert page(state="FAILED") == ([], 0, 50, 0)
+        assert page(state="SUCCEEDED", limit=1) == ([second], 2, 1, 0)
+        assert page(state="SUCCEEDED", limit=1, offset=1) == ([first], 2, 1, 1)
+        assert page(state="SUCCEEDED", limit=1, offset=2) == ([], 2, 1, 2)
 
 
 def test_bad_input_gets_clear_errors_and_stores_nothing(server):
@@ -298,7 +313,11 @@ def test_active_job_limit_per_tenant(server):
         for job_id in ids:
             c.post(f"/v1/jobs/{job_id}/cancel")
         for job_id in ids:
-            assert wait_state(c, job_id, {"CANCELLED"}, timeout=60)["state"] == "CANCELLED"
+            wait_state(c, job_id, {"CANCELLED"}, timeout=60)
+        # only active jobs count: once they ended, the tenant may submit again
+        r = c.post("/v1/jobs", json=small_spec("room-again", steps=1))
+        assert r.status_code == 201, r.text
+        wait_state(c, r.json()["id"], {"SUCCEEDED"})
 
 
 def test_model_before_success_is_409_and_metrics_endpoint(server):
