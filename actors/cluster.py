@@ -56,6 +56,8 @@ class NodeWatch:
         self._thread: Optional[threading.Thread] = None
 
     def start(self) -> "NodeWatch":
+        if self._thread is not None:  # already watching
+            return self
         self.refresh()
         self._thread = threading.Thread(target=self._loop, name="relaytrain-nodewatch", daemon=True)
         self._thread.start()

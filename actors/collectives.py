@@ -24,6 +24,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from actors.failures import talking_to_peers
+
 
 def _sockets() -> dict[int, str]:
     out = {}
@@ -194,8 +196,9 @@ class GradBuckets:
             return
         i = self._bucket_of[id(p)]
         self._missing[i] -= 1
-        while self._next < len(self.buckets) and self._missing[self._next] == 0:
-            self._launch(self._next)
+        with talking_to_peers("an all-reduce launched during backward"):  # inside autograd: the user's backward
+            while self._next < len(self.buckets) and self._missing[self._next] == 0:
+                self._launch(self._next)
 
     def _launch(self, i: int) -> None:
         for p, v in zip(self.buckets[i], self.views[i]):
@@ -239,6 +242,8 @@ class SharedMemorySum:
     replicas are on different nodes, the parameters are not all CPU tensors of one dtype,
     or /dev/shm has no room.
     """
+
+    overlap = False  # summed after the backward, through the file
 
     def __init__(self, params: list, group, rank: int, world: int, path: str):
         import torch

@@ -1,9 +1,17 @@
-"""Why a job or a step stopped: the sentence a person reads first, and whether the cause
-was user code, a broken connection to a peer, or a worker that is gone."""
+"""Why a job or a step stopped: the sentence a person reads first, and what kind of cause
+it was.  Causes are told apart by exception type and by which actor died, never by the
+words of a message (a user's exception says whatever the user wrote):
+
+- ``lost``: a worker's actor or node is gone (a Ray actor error that is not a task error);
+- ``peer``: a worker's step failed while it talked to its peers (``PeerLost``, raised by the
+  worker around every transport and collective call) or was discarded (``StageAborted``);
+- ``user``: anything else a worker raised: the user's code (model, data, loss) or a bug.
+"""
 from __future__ import annotations
 
+import contextlib
 import re
-from typing import Optional
+from typing import Iterator, Optional
 
 import ray
 
@@ -16,8 +24,80 @@ class JobFailure(RuntimeError):
         self.detail = detail
 
 
-def worker_failure(name: str, step: Optional[int], err: Exception, phase: str = "while starting") -> JobFailure:
-    cause = getattr(err, "cause", None) or err
+class PeerLost(RuntimeError):
+    """A worker's call to the transport or a collective failed: a peer went away (or the
+    step was aborted under it).  Raised only by the engine, around its communication."""
+
+
+class StageAborted(PeerLost):
+    """The scheduler discarded the step this worker was running (a peer was lost)."""
+
+
+@contextlib.contextmanager
+def talking_to_peers(what: str) -> Iterator[None]:
+    """Whatever fails inside is a lost peer (``PeerLost``), whatever its type or text."""
+    try:
+        yield
+    except PeerLost:
+        raise
+    except Exception as e:
+        raise PeerLost(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+class WorkerLost(Exception):
+    """Workers of a step were lost (their actor or node died); the job can reshape.
+    ``lost``: workers whose calls failed with a Ray actor error (surely gone); ``silent``:
+    workers that had not answered a ping yet (maybe gone, maybe slow: checked again)."""
+
+    def __init__(self, failure: JobFailure, lost: set, first_error_time: float, silent: set = frozenset()):
+        super().__init__(str(failure))
+        self.failure, self.lost, self.time, self.silent = failure, lost, first_error_time, set(silent)
+
+
+def _cause(err: BaseException) -> BaseException:
+    return getattr(err, "cause", None) or err
+
+
+def lost_actor(err: BaseException) -> bool:
+    return isinstance(err, ray.exceptions.RayActorError) and not isinstance(err, ray.exceptions.RayTaskError)
+
+
+def is_comm_error(err: BaseException) -> bool:
+    """A step that failed because a peer went away (not because user code raised)."""
+    return isinstance(_cause(err), PeerLost)
+
+
+def kind_of(err: BaseException) -> str:
+    """'lost', 'peer' or 'user' (see the module's docstring)."""
+    if lost_actor(err):
+        return "lost"
+    return "peer" if is_comm_error(err) else "user"
+
+
+def step_failure(errors: dict, step: Optional[int], phase: str, *, elastic: bool, t_error: float,
+                 silent: set = frozenset()) -> Exception:
+    """What a call to every worker raises when ``errors`` (cell -> exception) came back: the
+    first user error as the job's failure; else, in an elastic job's step, ``WorkerLost``
+    (the job reshapes); else the first lost worker's failure."""
+    kinds = {c: kind_of(e) for c, e in errors.items()}
+    user = sorted(c for c, kind in kinds.items() if kind == "user")
+    if user:
+        return worker_failure(cell_name(user[0]), step, errors[user[0]], phase)
+    lost = {c for c, kind in kinds.items() if kind == "lost"}
+    c = min(lost) if lost else min(errors)
+    failure = worker_failure(cell_name(c), step, errors[c], phase)
+    if elastic and step is not None:
+        return WorkerLost(failure, lost, t_error, set(silent) - lost)
+    return failure
+
+
+def cell_name(c: tuple) -> str:
+    """A worker's name in messages: cell (1, 0) is 'w1.0'."""
+    return f"w{c[0]}.{c[1]}"
+
+
+def worker_failure(name: str, step: Optional[int], err: BaseException, phase: str = "while starting") -> JobFailure:
+    cause = _cause(err)
     where = f" at step {step + 1}" if step is not None else f" {phase}"
     if isinstance(err, ray.exceptions.RayTaskError):
         what = f"raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
@@ -36,34 +116,9 @@ def worker_failure(name: str, step: Optional[int], err: Exception, phase: str = 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def traceback_text(name: str, err: Exception) -> str:
+def traceback_text(name: str, err: BaseException) -> str:
     """The remote traceback as a person reads it, without terminal colours."""
     lines = _ANSI.sub("", str(err)).strip().splitlines()
     if lines and lines[0].startswith("ray::"):
         return f"Traceback from worker {name} ({lines[0]}), most recent call last:\n" + "\n".join(lines[1:])
     return f"Traceback from worker {name}:\n" + "\n".join(lines)
-
-
-class WorkerLost(Exception):
-    """Workers of a step were lost (their actor or node died); the job can reshape.
-    ``lost``: workers whose calls failed with a Ray actor error (surely gone); ``silent``:
-    workers that had not answered a ping yet (maybe gone, maybe slow: checked again)."""
-
-    def __init__(self, failure: "JobFailure", lost: set, first_error_time: float, silent: set = frozenset()):
-        super().__init__(str(failure))
-        self.failure, self.lost, self.time, self.silent = failure, lost, first_error_time, set(silent)
-
-
-_COMM_ERRORS = ("DistBackendError", "StageAborted", "TimeoutError")
-_COMM_WORDS = ("Connection closed", "Connection reset", "peer", "Gloo", "gloo", "was discarded", "Broken pipe")
-
-
-def is_comm_error(err: Exception) -> bool:
-    """A step that failed because a peer went away (not because user code raised)."""
-    cause = getattr(err, "cause", None) or err
-    text = str(err)
-    return type(cause).__name__ in _COMM_ERRORS or any(w in text for w in _COMM_WORDS)
-
-
-def lost_actor(err: Exception) -> bool:
-    return isinstance(err, ray.exceptions.RayActorError) and not isinstance(err, ray.exceptions.RayTaskError)

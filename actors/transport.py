@@ -96,6 +96,7 @@ def from_wire(wire: tuple, device: torch.device) -> torch.Tensor:
 
 class ObjectStoreTransport:
     name = "object_store"
+    fixed_shapes = False  # each tensor travels with its shape
 
     def __init__(self, inbox: Inbox, prev_actor, next_actor, device: torch.device, timeout: float, gen: int = 0):
         self.inbox, self.prev, self.next = inbox, prev_actor, next_actor
@@ -121,6 +122,7 @@ class ObjectStoreTransport:
 
 class CollectiveTransport:
     name = "collective"
+    fixed_shapes = True   # receive buffers are shaped from the stage boundary's activation
 
     def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device):
         self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device

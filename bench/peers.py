@@ -453,7 +453,7 @@ def main() -> None:
     import ray
     import torch
 
-    from actors.scheduler import NAMESPACE  # noqa: F401  (the engine imports before Ray starts)
+    from actors.scheduler import JobScheduler  # noqa: F401  (the engine imports before Ray starts)
 
     load_start = load()
     log(f"load average at start {load_start} (2 cores); M in {ms}, {args.rounds} rounds x {args.steps} timed steps")

@@ -18,7 +18,8 @@ from typing import Optional
 
 import ray
 
-from actors.scheduler import NAMESPACE, JobScheduler
+from actors.scheduler import JobScheduler
+from service.names import NAMESPACE
 from service.runner import _stop, scheduler_placement
 from service.states import JobState
 

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from service import logtext, packages
+from service import logtext, packages, rayconnect
 from service.loading import check_structure
 from service.runner import check_fits, scheduler_placement
 from service.settings import Settings
@@ -72,7 +72,7 @@ def release_placement_group(job_id: str) -> None:
     group is detached, so nothing else would)."""
     import ray
 
-    from actors.scheduler import placement_group_name
+    from service.names import placement_group_name
 
     try:
         ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
@@ -100,7 +100,7 @@ class JobManager:
         kwargs = {"namespace": NAMESPACE, "logging_level": "WARNING", "log_to_driver": False}
         address = self.settings.ray_address
         if address and address.startswith("ray://"):  # Ray Client (the Kubernetes deployment)
-            ray.init(address=address, namespace=NAMESPACE)
+            rayconnect.init(address, namespace=NAMESPACE)  # sends Ray's token; a refusal says why, at once
             return
         if address:
             ray.init(address=address, **kwargs)

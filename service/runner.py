@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any, Optional
 
-from service import checkpoint
+from service import checkpoint, rayconnect
 from service.loading import preflight, search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
@@ -64,7 +64,7 @@ def _connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bo
         return False
     kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
     if ray_address:
-        ray.init(address=ray_address, **kwargs)
+        rayconnect.init(ray_address, **kwargs)  # a ray:// address: Ray's token, and a refusal explained
         return True
     # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
     ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
@@ -148,7 +148,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
     import ray
 
-    from actors.scheduler import NAMESPACE, JobScheduler
+    from actors.scheduler import JobScheduler
+    from service.names import NAMESPACE, scheduler_name
 
     started_ray = _connect(ray_address, local_cpus)
     outputs = _Outputs(Path(out), append=resume_path is not None)
@@ -158,7 +159,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     try:
         check_fits(spec)
         sched = ray.remote(JobScheduler).options(
-            name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
+            name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
             **scheduler_placement(),
             runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
         ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout,
@@ -207,7 +208,7 @@ def _stop(sched, job_id: str, grace: float = 10.0) -> None:
     releases its workers and their placement group), and kill whatever is left."""
     import ray
 
-    from actors.scheduler import placement_group_name
+    from service.names import placement_group_name
 
     try:
         if ray.get(sched.poll.remote(), timeout=5)["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):

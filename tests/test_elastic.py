@@ -15,6 +15,7 @@ import time
 
 import pytest
 
+from service import names
 from service.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
@@ -119,7 +120,7 @@ class Job:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             for a in ray.util.list_named_actors(all_namespaces=True):
-                if a["name"].startswith(f"relaytrain:{self.spec.name}-") and a["name"].endswith(":scheduler"):
+                if names.is_scheduler(a["name"], job_prefix=f"{self.spec.name}-"):
                     return ray.get_actor(a["name"], namespace=a["namespace"])
             time.sleep(0.1)
         raise AssertionError(f"no scheduler started (error: {self.error})")
@@ -265,7 +266,7 @@ def test_without_a_current_copy_the_steps_since_the_checkpoint_are_rerun(cluster
     [reshape] = events(result, "reshape")
     # no snapshots: the lost stage comes back from the newest checkpoint (every 8 steps), and
     # every stage goes back with it; the steps since then are re-run
-    restored = int(reshape["restored_from"].rsplit("step-", 1)[1])
+    restored = reshape["restored_from_step"]
     assert reshape["restored_from"].startswith("checkpoint ") and restored % 8 == 0
     assert reshape["step"] == restored + 1
     reruns = [m["step"] for m in result["metrics"] if m.get("rerun")]

@@ -80,7 +80,8 @@ def test_ray_exports_the_job_metrics_tagged_by_job(ray_session):
     needs a multi-node cluster: tests/test_elastic.py).  Both are read back from the node's
     metrics export, the endpoint Prometheus scrapes."""
     ray = ray_session
-    from actors.scheduler import NAMESPACE, JobScheduler
+    from actors.scheduler import JobScheduler
+    from service.names import NAMESPACE
     from tests.test_api import small_spec
 
     port = ray._private.worker.global_worker.node.metrics_export_port

@@ -1,0 +1,288 @@
+"""JobController: one job's loop.  It owns the job's state and is the only place that changes
+it: ``run`` asks ``_step`` for the next state (actors/jobstates.py) until one is terminal,
+and ``_enter`` shows each one.  How a job can get to FAILED: read ``_advance`` and ``_step``.
+
+It decides nothing about shapes itself: the elastic policy (service/elastic_policy.py, pure)
+says Keep, Reshape, Wait or Fail from what the controller sees; the worker group carries out
+calls, the reshaper moves state, the state keeper holds the copies, the record reports."""
+from __future__ import annotations
+
+import os
+import threading
+import time
+import traceback
+from typing import Callable, Optional
+
+from actors import layerfacts
+from actors.cluster import NodeWatch
+from actors.failures import JobFailure, WorkerLost
+from actors.jobstates import Cancelled, Failed, Finishing, Reshaping, Running, Starting, State, Succeeded
+from actors.record import JobRecord, metrics_row
+from actors.reshape import Move, Reshaped, Reshaper
+from actors.statekeeper import StateKeeper
+from actors.workergroup import WorkerGroup
+from service import elastic_policy as policy
+from service import partition, planner
+from service.loading import preflight
+from service.spec import JobSpec, SpecError
+
+
+class JobController:
+    def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
+                 keeper: StateKeeper, *, run_preflight: bool, save_model: Optional[Callable[[dict], None]],
+                 watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper):
+        self.job_id, self.spec, self.search = job_id, spec, search
+        self.record, self.group, self.keeper = record, group, keeper
+        self.run_preflight, self.save_model = run_preflight, save_model
+        self.elastic = spec.elastic.enabled
+        self.layers: Optional[layerfacts.Layers] = None
+        self.make_reshaper = reshaper
+        self.reshaper: Optional[Reshaper] = None
+        self.watch = watch                           # the cluster as the scheduler sees it (elastic jobs)
+        self.installed: Optional[Reshaped] = None   # a reshape whose first committed step is awaited
+        self.reshapes = 0
+        self.grow_after = 0.0                        # no growth attempt before this (monotonic)
+        self.final_attempts = 0
+        self.final: Optional[dict] = None
+        self.cancelled = threading.Event()
+
+    def run(self) -> None:
+        state: State = Starting()
+        self._enter(state)
+        while not state.is_terminal:
+            state = self._advance(state)
+            self._enter(state)
+
+    def _advance(self, state: State) -> State:
+        try:
+            return self._step(state)
+        except (JobFailure, SpecError) as e:
+            return Failed(str(e), {"detail": getattr(e, "detail", "")})
+        except Exception as e:  # a bug or an unexpected Ray error: still say why
+            return Failed(f"the scheduler raised {type(e).__name__}: {e}", {"detail": traceback.format_exc()})
+
+    def _step(self, state: State) -> State:
+        if isinstance(state, Starting):
+            return self._start(state)
+        if self.cancelled.is_set():
+            return Cancelled(f"job cancelled after {self.record.step} committed steps")
+        if isinstance(state, Running):
+            return self._run_step(state.step)
+        if isinstance(state, Reshaping):
+            return self._reshape(state)
+        if isinstance(state, Finishing):
+            return self._finish()
+        raise AssertionError(f"no transition from {state}")
+
+    def _enter(self, state: State) -> None:
+        """Show ``state``: the job's state, and for an end its event after what the actors printed."""
+        if state.is_terminal:
+            self.record.log_output(self.group.drain_output())
+            self.record.event(state.kind, state.message, **state.fields)
+            self.record.set_state(state.job_state, state.message if isinstance(state, Failed) else None)
+        else:
+            self.record.set_state(state.job_state)
+
+    # ---------------------------------------------------------------- starting
+
+    def _start(self, state: Starting) -> State:
+        if self.layers is None:
+            self.record.event("started", f"job {self.job_id} started")
+            if self.run_preflight:  # user code is imported here, never in the API server
+                preflight(self.spec, [os.getcwd(), *self.search])
+            self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
+            self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
+            self.group.gpus = self.group.gpus_per_worker()
+        if self.elastic:
+            self.watch = self.watch or NodeWatch()
+            self.watch.start()
+            sit = self._situation(kept=0, exclude=set(), forced=True, since=state.waited_since)
+            d = policy.decide(sit, self.spec, self.layers.facts)
+            if isinstance(d, (policy.Wait, policy.Fail)):
+                return self._wait(d, state.waited_since, lambda since: Starting(since), sit.slots)
+            shape, why = d.shape, d.reason
+        else:
+            p = self.spec.parallelism
+            sizes = partition.choose(p.partition, self.layers.facts.layers, p.pp,
+                                     self.layers.facts.seconds if self.layers.profiled else None)
+            shape, why = self._model(p.dp, p.pp, sizes), "the spec's shape"
+        copy = self.keeper.resume_copy()
+        start = copy["step"] if copy else 0
+        self.reshaper.install(shape, why, {}, start, self._boundary(shape), copy=copy, donors={})
+        self._announce(shape, why)
+        if copy:
+            self.record.go_back(start)
+            self.record.event("resumed", f"resumed from {copy['path']} at step {start}", checkpoint=copy["path"],
+                              step=start)
+        return Running(start)
+
+    def _model(self, dp: int, pp: int, sizes) -> planner.Shape:
+        p = self.spec.parallelism
+        return planner.model_shape(self.layers.facts, dp, pp, self.spec.microbatches, schedule=p.schedule,
+                                   transport=p.transport, optimizer=self.spec.optimizer.name,
+                                   partition_rule=list(sizes))
+
+    def _boundary(self, shape: planner.Shape) -> list:
+        return [self.layers.metas[hi - 1] for _, hi in shape.bounds]
+
+    def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
+                   joined: int = 0) -> policy.Situation:
+        view = self.watch.refresh()
+        self.reshaper.suspect &= view.alive  # a node that lost workers counts again once Ray marked it dead
+        free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | self.reshaper.suspect)
+        cur = (self.group.shape.dp, self.group.shape.pp) if self.group.shape and not forced else None
+        return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
+                                waited_s=time.monotonic() - since if since else 0.0)
+
+    def _wait(self, d, since: Optional[float], again: Callable[[float], State], slots: int) -> State:
+        if isinstance(d, policy.Fail):
+            return Failed(d.reason)
+        if since is None:
+            self.record.event("waiting", d.reason, slots=slots)
+        time.sleep(1.0)
+        return again(since or time.monotonic())
+
+    def _announce(self, shape: planner.Shape, why: str) -> None:
+        self.record.announce_shape(shape, why, self.spec, gpus=self.group.gpus, workers=self.group.describe(),
+                                   costs=list(self.layers.facts.seconds) if self.layers.profiled else None)
+
+    # ---------------------------------------------------------------- steps
+
+    def _run_step(self, step: int) -> State:
+        if step >= self.spec.training.steps:
+            return Finishing()
+        if self.elastic:
+            move = self._at_boundary()
+            if move is not None:
+                return Reshaping(move=move)
+        t0 = time.time()
+        refs = self.group.call_all("run_step", step)
+        try:
+            stats = self.group.gather(refs, step, self.group.timeout)
+        except WorkerLost as lost:
+            return self._lost(step, refs, lost)
+        if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
+            failure = JobFailure(f"the off-node copy of step {self.keeper.wanted} could not be fetched from "
+                                 "the workers (a node is going)")
+            return self._lost(step, refs, WorkerLost(failure, set(), time.time()))
+        self._commit(step, stats, time.time() - t0)
+        return Running(step + 1)
+
+    def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:
+        self.record.event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
+                          detail=lost.failure.detail, step=step + 1)
+        abort_s = time.time() - lost.time
+        move = self.reshaper.after_loss(refs, lost)
+        move.phases["abort_s"] = abort_s
+        return Reshaping(move=move)
+
+    def _commit(self, step: int, stats: dict, wall: float) -> None:
+        spec, rec, shape = self.spec, self.record, self.group.shape
+        rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
+        row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
+                          schedule=spec.parallelism.schedule, microbatches=spec.microbatches,
+                          reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high)
+        rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
+        if self.installed:
+            self._reshaped(step + 1)
+        snap_every = spec.elastic.snapshot_every_steps if self.elastic else 0
+        if snap_every and (step + 1) % snap_every == 0:
+            self.keeper.take_snapshot(step + 1)
+        every = spec.checkpoint.every_steps
+        if every and ((step + 1) % every == 0 or step + 1 == spec.training.steps) and self.keeper.checkpoint_root:
+            self._checkpoint(step + 1)
+
+    def _checkpoint(self, step: int) -> None:
+        try:
+            path = self.keeper.save_checkpoint(step, {"job_id": self.job_id, "name": self.spec.name},
+                                               keep=self.spec.checkpoint.keep)
+        except JobFailure as e:
+            if not self.elastic:
+                raise
+            # a worker went: the next step notices and recovers; this checkpoint is skipped
+            self.record.event("checkpoint_skipped", f"checkpoint of step {step} skipped: {e}", step=step)
+            return
+        self.record.event("checkpoint", f"checkpoint of step {step} at {path}", step=step, path=path)
+
+    def _finish(self) -> State:
+        steps = self.spec.training.steps
+        try:
+            self.final, _ = self.keeper.collect(steps)
+        except JobFailure:
+            self.final_attempts += 1
+            if not self.elastic or self.final_attempts == 3:
+                raise
+            # a worker went after the last commit: re-place the state, then copy it out
+            alive = dict(self.group.workers)
+            self.reshaper.drop_dead(alive)
+            return Reshaping(move=Move("a worker was lost after the last step", keep=alive, donors=alive,
+                                       exclude=set(), forced=True))
+        if self.save_model:
+            self.save_model(self.final)
+        last = self.record.metrics[-1]["loss"] if self.record.metrics else None
+        return Succeeded(f"job finished: {steps} steps, last loss {last:.6g}" if last is not None else "job finished")
+
+    # ---------------------------------------------------------------- elasticity
+
+    def _at_boundary(self) -> Optional[Move]:
+        """Between steps: move off draining nodes, or grow onto workers started for it."""
+        view = self.watch.view
+        return self.reshaper.off_draining(view) or self._grow(view)
+
+    def _grow(self, view) -> Optional[Move]:
+        g, now = self.group, time.monotonic()
+        if g.joining is not None:
+            detected, extra = g.joining.detected, g.joined()
+            if extra:
+                k = len(extra)
+                return Move(f"{k} more worker slot{'s' if k > 1 else ''} joined", keep={**g.workers, **extra},
+                            donors=dict(g.workers), exclude=set(), forced=False, detected=detected)
+            if extra is not None:  # some could not start in time: try again later
+                self.grow_after = now + 30
+            return None
+        if now < self.grow_after:
+            return None
+        d = policy.decide(self._situation(kept=len(g.workers), exclude=set(), forced=False), self.spec,
+                          self.layers.facts)
+        if isinstance(d, policy.Reshape):
+            g.start_joining(d.more_workers(len(g.workers)))
+        elif d.reason != "no free slot":
+            self.grow_after = now + 5  # re-plan when the cluster changes, not every step
+        return None
+
+    def _reshape(self, state: Reshaping) -> State:
+        move, g = state.move, self.group
+        if move.committed is None:
+            self.reshaper.choose_copy(move, self.record.step)
+        joined = len([c for c in move.keep if c not in g.workers]) if not move.forced else 0
+        if move.forced:
+            g.take_joined(move.keep)
+        sit = self._situation(kept=len(move.keep), exclude=move.exclude, forced=move.forced,
+                              since=state.waited_since, joined=joined)
+        d = policy.decide(sit, self.spec, self.layers.facts)
+        if isinstance(d, (policy.Wait, policy.Fail)):
+            return self._wait(d, state.waited_since, lambda since: Reshaping(move=move, attempt=state.attempt,
+                                                                           waited_since=since), sit.slots)
+        if isinstance(d, policy.Keep):  # the growth no longer pays
+            g.stop_others([h for c, h in move.keep.items() if c not in g.workers])
+            return Running(self.record.step)
+        try:
+            self.installed = self.reshaper.carry_out(move, d.shape, d.reason, self._boundary(d.shape))
+        except JobFailure as e:
+            dead = self.reshaper.drop_dead(move.keep) | self.reshaper.drop_dead(move.donors)
+            if state.attempt == 2 or not dead:
+                raise
+            self.record.event("worker_lost", f"{e} while reshaping; planning again", detail=e.detail)
+            again = Move(move.reason, keep=move.keep, donors={}, exclude=move.exclude | self.reshaper.suspect,
+                         forced=True, detected=move.detected, phases=move.phases)
+            return Reshaping(move=again, attempt=state.attempt + 1)
+        self.reshapes += 1
+        self._announce(d.shape, d.reason)
+        if move.steps_lost:  # the rows of the lost steps stay; their re-runs come again, marked rerun
+            self.record.go_back(move.committed)
+        return Running(move.committed)
+
+    def _reshaped(self, committed: int) -> None:
+        """The first step of a new shape committed: record the reshape with its cost."""
+        r, self.installed = self.installed, None
+        self.record.reshaped(r, committed)

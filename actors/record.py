@@ -1,0 +1,143 @@
+"""A job's record as its scheduler keeps it: state, events, metrics rows, recent step
+timelines and the output its actors printed, kept here for whoever polls and written to the
+job store as they happen.  The controller is the only caller of ``set_state``."""
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from typing import Any, Optional
+
+from actors.metrics import JobMetrics
+from actors.output import OutputTap
+from actors.store_sink import StoreSink
+from service import schedules, timeline
+from service.states import JobState
+
+
+class JobRecord:
+    def __init__(self, job_id: str, steps: int, store_url: Optional[str]):
+        self.job_id, self.steps = job_id, steps
+        self.output = OutputTap.install()  # user code runs in the scheduler too (preflight, the layer profile)
+        self.sink = StoreSink(store_url, job_id) if store_url else None
+        self.job_metrics = JobMetrics(job_id)  # ray.util.metrics, tagged by job
+        self.state = JobState.PENDING
+        self.error: Optional[str] = None
+        self.step = 0                                    # committed steps
+        self.high = 0                                    # the highest step ever committed
+        self.shape: dict[str, Any] = {}
+        self.metrics: list[dict] = []
+        self.events: list[dict] = []
+        self.timelines: collections.deque = collections.deque(maxlen=16)  # recent steps only
+        self._lock = threading.Lock()
+
+    def event(self, kind: str, message: str, **fields) -> None:
+        row = {"time": time.time(), "type": kind, "message": message, **fields}
+        with self._lock:
+            self.events.append(row)
+        if self.sink:
+            self.sink.write(events=[row])
+
+    def set_state(self, state: JobState, error: Optional[str] = None) -> None:
+        with self._lock:
+            changed = state is not self.state or error is not None
+            self.state = state
+            if error is not None:
+                self.error = error
+        if self.sink and changed:
+            self.sink.write(state=state, error=error)
+
+    def set_shape(self, shape: dict) -> None:
+        with self._lock:
+            self.shape = shape
+        if self.sink:
+            self.sink.write(shape=shape)
+
+    def go_back(self, committed: int) -> None:
+        """The state went back to an older copy: steps after ``committed`` run again."""
+        with self._lock:
+            self.step = committed
+
+    def commit(self, row: dict, workers_timeline: dict) -> None:
+        """Step ``row['step']`` committed: its metrics row and timeline."""
+        with self._lock:
+            self.timelines.append({"step": row["step"], "workers": workers_timeline})
+            self.metrics.append(row)
+            self.step = row["step"]
+            self.high = max(self.high, self.step)
+        if self.sink:
+            self.sink.write(metrics=[row], timeline_entry=timeline.record(row["step"], self.shape, workers_timeline))
+        self.job_metrics.committed(row)
+
+    def announce_shape(self, shape, why: str, spec, *, gpus: float, workers: dict, costs: Optional[list]) -> None:
+        """A shape was installed: the job's shape field and a ``shape`` event."""
+        p = spec.parallelism
+        info = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
+                "transport": p.transport, "microbatches": spec.microbatches,
+                "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
+                "workers": workers}
+        self.set_shape(info)
+        self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per stage {list(shape.sizes)}, "
+                   f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
+                   f"transport {p.transport} ({why})", **info, reason=why, layer_costs_s=costs)
+
+    def reshaped(self, r, committed: int) -> None:
+        """The first step of a new shape committed: a ``reshape`` event with the reshape's cost
+        (``r``: actors.reshape.Reshaped), and the recovery time on the step's metrics row."""
+        seconds = time.time() - r.detected
+        phases = {k: round(v, 3) for k, v in r.phases.items() if k.endswith("_s")}
+        phases["first_step_s"] = round(time.time() - r.phases.get("installed_at", time.time()), 3)
+        old = f"{r.old[0]}x{r.old[1]}" if r.old else "none"
+        lost = (f"{r.steps_lost} steps lost, restored from the {r.restored_from}" if r.steps_lost
+                else f"no step lost{', lost layers restored from the ' + r.restored_from if r.restored_from else ''}")
+        self.event("reshape", f"reshaped {old} -> {r.new[0]}x{r.new[1]} after {r.reason}: step {committed} "
+                   f"committed {seconds:.2f} s after detection; {lost} ({r.why})",
+                   reason=r.reason, old_shape=r.old, new_shape=r.new, recovery_s=seconds,
+                   steps_lost=r.steps_lost, restored_from=r.restored_from, restored_from_step=r.restored_step,
+                   step=committed, phases_s=phases)
+        with self._lock:
+            if self.metrics:
+                self.metrics[-1]["recovery_s"] = seconds
+        self.job_metrics.reshaped(seconds)
+
+    def poll(self, metrics_from: int = 0, events_from: int = 0) -> dict:
+        with self._lock:
+            return {"state": self.state.value, "step": self.step, "steps": self.steps,
+                    "shape": dict(self.shape), "error": self.error,
+                    "metrics": self.metrics[metrics_from:], "events": self.events[events_from:]}
+
+    def timeline(self, step: Optional[int] = None) -> Optional[dict]:
+        """Measured (action, start, end) per worker for a recent step (the newest by default)."""
+        with self._lock:
+            for entry in reversed(self.timelines):
+                if step is None or entry["step"] == step:
+                    return entry
+        return None
+
+    def log_output(self, by_cell: dict) -> None:
+        """Send what the workers (by cell) and this actor printed to the job's log."""
+        rows = [{"time": t, "source": "scheduler", "stream": st, "line": line} for t, st, line in self.output.take()]
+        for (r, s), lines in sorted(by_cell.items()):
+            rows += [{"time": t, "source": f"w{r}.{s}", "stream": st, "line": line} for t, st, line in lines]
+        if rows and self.sink:
+            rows.sort(key=lambda row: row["time"])
+            self.sink.write(logs=rows)
+
+
+def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
+                microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool) -> dict:
+    """The metrics row of committed step ``step + 1`` from every worker's step result."""
+    loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
+    utils = []
+    for r in range(dp):
+        cells = [stats[(r, s)] for s in range(pp)]
+        span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
+        utils.append(sum(c["busy"] for c in cells) / (pp * span) if span > 0 else 1.0)
+    ideal = float(schedules.simulate(schedules.build(schedule, pp, microbatches // dp)).bubble)
+    return {"step": step + 1, "loss": loss, "time": time.time(), "samples_per_s": batch / wall,
+            "step_time_s": wall, "dp": dp, "pp": pp,
+            "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
+            "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
+            "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
+            **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
+            **({"rerun": True} if rerun else {})}

@@ -1,0 +1,185 @@
+"""How a job changes shape while it runs: the mechanics behind the elastic policy's
+``Reshape``.  A ``Move`` says why and with which workers; ``Reshaper.carry_out`` chooses where
+the committed state comes from (live donors, or the newest off-node copy when every holder
+of some layers is gone), installs the new shape on kept and new workers, and stops the
+workers left over.  ``Reshaper.after_loss`` turns a failed step into a ``Move``."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import ray
+
+from actors.failures import JobFailure, WorkerLost, cell_name
+from actors.statekeeper import StateKeeper
+from actors.workergroup import WorkerGroup, kill
+from service import planner
+
+
+@dataclass
+class Move:
+    """A reshape to carry out.  ``keep``: live workers that may take cells of the new shape;
+    ``donors``: live workers whose committed layers may be copied (the current workers not
+    kept are stopped afterwards); ``exclude``: nodes not to place on."""
+
+    reason: str
+    keep: dict
+    donors: dict
+    exclude: set
+    forced: bool
+    detected: float = field(default_factory=time.time)
+    copy: Optional[dict] = None            # the off-node copy chosen for lost layers
+    copy_layers: Optional[set] = None      # the layers taken from it (None: all, when copy is given)
+    steps_lost: int = 0
+    restored_from: Optional[str] = None
+    restored_step: Optional[int] = None    # the step of that copy
+    committed: Optional[int] = None        # the step the new shape starts from
+    phases: dict = field(default_factory=dict)  # where the reshape's seconds went
+
+
+@dataclass
+class Reshaped:
+    """A reshape installed; recorded once the first step of its shape commits."""
+
+    reason: str
+    old: Optional[list]
+    new: list
+    detected: float
+    steps_lost: int
+    restored_from: Optional[str]
+    restored_step: Optional[int]
+    why: str
+    phases: dict
+
+
+class Reshaper:
+    def __init__(self, group: WorkerGroup, keeper: StateKeeper, layers: int, stateless: set):
+        self.group, self.keeper = group, keeper
+        self.layers, self.stateless = layers, stateless
+        self.suspect: set[str] = set()          # nodes that lost workers, until Ray marks them dead
+
+    # ---------------------------------------------------------------- turning events into moves
+
+    def after_loss(self, refs: dict, lost: WorkerLost) -> Move:
+        """A step failed because workers died: which are alive (answer a ping and finished
+        their aborted step), which are stuck (answer but still run: replaced), which are dead."""
+        g = self.group
+        # a live worker answers a ping in milliseconds, even mid-step (threaded actor), though a
+        # loaded machine can take a second; a call to an actor on a crashed node fails after
+        # ~1.5 s or hangs until Ray marks the node dead (~15 s): not waited for
+        answered, _ = g.answering({c: h for c, h in g.workers.items() if c not in lost.lost}, timeout=2.0)
+        # the live workers were aborted: their step calls end within milliseconds, or within
+        # seconds on a loaded machine; one that still runs after that is stuck and replaced
+        ray.wait([refs[c] for c in answered], num_returns=len(answered), timeout=10.0)
+        alive, stuck = {}, {}
+        for c, h in answered.items():
+            done, _ = ray.wait([refs[c]], timeout=0)
+            (alive if done else stuck)[c] = h
+        dead = set(g.workers) - set(alive) - set(stuck)
+        nodes = {g.node_of(c) for c in dead}
+        self.suspect |= nodes
+        reason = (f"lost {', '.join(cell_name(c) for c in sorted(dead))} ({lost.failure})" if dead
+                  else str(lost.failure))
+        return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time)
+
+    def off_draining(self, view) -> Optional[Move]:
+        """The move off nodes that announced they are going (``view``: actors.cluster.NodeView)."""
+        g = self.group
+        draining = {c for c in g.workers if g.node_of(c) in view.draining}
+        if not draining:
+            return None
+        nodes = sorted({g.node_of(c) for c in draining})
+        deadlines = [view.draining[n] for n in nodes if view.draining[n]]
+        left = f", deadline in {min(deadlines) - time.time():.0f} s" if deadlines else ""
+        reason = f"node{'s' if len(nodes) > 1 else ''} {', '.join(n[:12] for n in nodes)} draining{left}"
+        return Move(reason, keep={c: w for c, w in g.workers.items() if c not in draining}, donors=dict(g.workers),
+                    exclude=set(nodes), forced=True)
+
+    def drop_dead(self, handles: dict) -> set:
+        """Remove the workers that do not answer (within 3 s) from ``handles``; their nodes
+        become suspect."""
+        _, dead = self.group.answering(handles, timeout=3.0)
+        for c in dead:
+            node = self.group.node_of(c)
+            if node:
+                self.suspect.add(node)
+            kill(handles.pop(c))
+        return dead
+
+    # ---------------------------------------------------------------- carrying a move out
+
+    def choose_copy(self, move: Move, committed: int) -> None:
+        """Where the layers no donor holds come from: the newest off-node copy.  An older copy
+        takes every stage back with it, so all layers agree (the steps since then re-run)."""
+        move.committed = committed
+        held = {layer for c in move.donors for layer in self.group.layers_of(c)}
+        lost_layers = set(range(self.layers)) - held - self.stateless  # a stateless layer is rebuilt
+        if not lost_layers:
+            return
+        self.keeper.settle()
+        copy = self.keeper.newest_copy()
+        if copy is None:
+            raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
+                             "off-node copy (enable elastic.snapshot_every_steps or checkpoint.every_steps)")
+        move.copy, move.restored_from, move.restored_step = copy, copy["source"], copy["step"]
+        if copy["step"] == committed:
+            move.copy_layers = lost_layers
+        else:
+            move.steps_lost, move.committed = committed - copy["step"], copy["step"]
+
+    def carry_out(self, move: Move, shape: planner.Shape, why: str, boundary: list) -> Reshaped:
+        """Install ``shape`` with ``move``'s workers and state; stop the workers left over."""
+        g = self.group
+        old = [g.shape.dp, g.shape.pp] if g.shape else None
+        previous = dict(g.workers)
+        phases = dict(move.phases)
+        phases.update(self.install(shape, why, self.assign(shape, move.keep), move.committed, boundary,
+                                   copy=move.copy, copy_layers=move.copy_layers, donors=move.donors))
+        self.keeper.forget_pending()
+        g.stop_others(list(previous.values()) + [h for c, h in move.keep.items() if c not in previous])
+        phases["installed_at"] = time.time()
+        return Reshaped(move.reason, old, [shape.dp, shape.pp], move.detected, move.steps_lost, move.restored_from,
+                        move.restored_step, why, phases)
+
+    def install(self, shape: planner.Shape, why: str, assign: dict, committed: int, boundary: list, *,
+                copy: Optional[dict], donors: dict, copy_layers: Optional[set] = None) -> dict:
+        """Configure workers into ``shape`` at ``committed`` steps and connect them; the cells
+        not in ``assign`` get new workers.  Layers a worker lacks come from ``donors`` or, for
+        ``copy_layers`` (every layer when None and ``copy`` is given), from ``copy``."""
+        g = self.group
+        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        spawned = g.spawn([c for c in cells if c not in assign])
+        try:
+            if spawned:
+                g.wait_ready(spawned)
+            if copy is not None and copy_layers is None:
+                copy_layers = set(range(self.layers))
+            everyone = {**assign, **spawned}
+            old_layers = {h._actor_id.hex(): g.layers_of(c) for c, h in donors.items()}
+            sources = self.keeper.sources(shape.bounds, everyone, committed, copy=copy, copy_layers=copy_layers or set(),
+                                          donors=donors, old_layers=old_layers, stateless=self.stateless)
+            return g.configure(shape, why, everyone, committed, sources, boundary)
+        except BaseException:
+            for h in spawned.values():
+                kill(h)
+            raise
+
+    def assign(self, shape: planner.Shape, keep: dict) -> dict:
+        """Give kept workers the cells whose layers they already hold (most overlap first)."""
+        bounds = shape.bounds
+        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        pairs = []
+        for i, (c, h) in enumerate(keep.items()):
+            held = self.group.layers_of(c)
+            for (r, s) in cells:
+                overlap = len(held & set(range(*bounds[s])))
+                pairs.append((-overlap, (r, s) != c, (r, s), i, c))
+        pairs.sort(key=lambda x: x[:4])
+        assign, used = {}, set()
+        for _, _, cell, _, c in pairs:
+            if cell in assign or c in used:
+                continue
+            assign[cell] = keep[c]
+            used.add(c)
+        return assign

@@ -1,0 +1,210 @@
+"""One cell's part of a step: its forwards and backwards in the schedule's order, the
+activations and gradients through the transport, the gradient sum among the stage's
+replicas.  The worker (actors/worker.py) owns the state and the commits; this module only
+runs a step's actions over a configured ``Cell``.
+
+A stage's last backward of the step computes and sends the gradient of its input before its
+weight gradients, so the stage before it, which waits for that gradient to run the step's
+final backward, starts sooner: the pipeline drains earlier.  Every call that talks to a peer
+runs inside ``talking_to_peers``: whatever fails there is a lost peer (``PeerLost``), and
+whatever fails elsewhere (the user's model, data or loss) is the user's error.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+from torch import nn
+
+try:  # torch's split backward (input gradient first, weight gradients after), as its zero-bubble schedules use
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+except ImportError:  # another torch: every backward stays whole
+    stage_backward_input = stage_backward_weight = None
+
+from actors.failures import StageAborted, talking_to_peers
+from service import schedules
+
+
+class Transport(Protocol):
+    """How activations and their gradients move between neighbouring stages (actors/transport.py)."""
+
+    name: str
+    fixed_shapes: bool  # every microbatch's activation must keep the first one's shape
+
+    def begin_step(self, step: int, expected: list) -> None: ...
+    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None: ...
+    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor: ...
+    def finish_step(self) -> None: ...
+    def drop(self) -> None: ...
+
+
+class GradientReducer(Protocol):
+    """How a stage's replicas sum their gradients (actors/collectives.py)."""
+
+    overlap: bool  # launched during the last backward (hooks), not after it
+
+    def attach(self) -> None: ...
+    def arm(self) -> None: ...
+    def finish(self) -> None: ...
+    def close(self) -> None: ...
+
+
+def _meta(m) -> Optional[tuple]:
+    return (tuple(m[0]), m[1]) if m else None
+
+
+@dataclass(frozen=True)
+class Cell:
+    """Where a worker stands in a shape: its (dp_rank, pp_rank), its layers, its actions."""
+
+    gen: int
+    dp_rank: int
+    pp_rank: int
+    dp: int
+    pp: int
+    layers: tuple[int, int]           # [lo, hi) of the whole model
+    mb0: int                          # its replica's first global microbatch
+    actions: list
+    in_meta: Optional[tuple]          # (shape, dtype) of the activation it receives
+    out_meta: Optional[tuple]         # ... and sends
+    receives: list = field(default_factory=list)  # the step's receives, in the order its actions take them
+
+    @property
+    def first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def last_backward(self):
+        return [a for a in self.actions if a.kind == "B"][-1]
+
+    @classmethod
+    def from_config(cls, cfg: dict, microbatches: int) -> "Cell":
+        dp, pp, r, s = cfg["dp"], cfg["pp"], cfg["dp_rank"], cfg["pp_rank"]
+        m = microbatches // dp
+        actions = schedules.build(cfg["schedule"], pp, m).order[s]
+        boundary = cfg["boundary"]
+        in_meta = _meta(boundary[s - 1]) if s > 0 else None
+        out_meta = _meta(boundary[s]) if s < pp - 1 else None
+        mb0 = r * m
+        receives = [("act", mb0 + a.mb, in_meta) if a.kind == "F" else ("grad", mb0 + a.mb, out_meta)
+                    for a in actions if (a.kind == "F" and s > 0) or (a.kind == "B" and s < pp - 1)]
+        return cls(cfg["gen"], r, s, dp, pp, tuple(cfg["bounds"][s]), mb0, actions, in_meta, out_meta, receives)
+
+
+@dataclass
+class _Progress:
+    """What a step's actions leave behind as they run."""
+
+    stash: dict = field(default_factory=dict)   # microbatch -> (input, output) until its backward
+    loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
+    busy: float = 0.0
+    live: int = 0
+    peak: int = 0
+    timeline: list = field(default_factory=list)
+
+
+class StepRunner:
+    """Runs a cell's actions for one step; built anew whenever the worker's wiring changes."""
+
+    def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
+                 loss_fn: Optional[Callable], scale: float):
+        self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
+        self.loss_fn, self.scale = loss_fn, scale
+
+    def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
+        c, tr, reduce = self.cell, self.tr, self.reduce
+        t_begin = time.time()
+        with talking_to_peers(f"starting step {step + 1}"):
+            tr.begin_step(step, c.receives)
+            if reduce is not None:
+                reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
+        p = _Progress()
+        for a in c.actions:
+            g = c.mb0 + a.mb
+            t0, t1 = self._forward(a, step, g, xs, ys, p) if a.kind == "F" else self._backward(a, step, g, p)
+            p.busy += t1 - t0
+            p.timeline.append((f"{a.stage}{a.kind}{g}", t0, t1))  # global microbatch id
+        with talking_to_peers(f"finishing the sends of step {step + 1}"):
+            tr.finish_step()
+        t_pipe = time.time()
+        if reduce is not None:
+            with talking_to_peers(f"summing the gradients of step {step + 1} with the stage's replicas"):
+                reduce.finish()
+        if aborted():
+            raise StageAborted(f"step {step + 1} was discarded")
+        t_end = time.time()
+        return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "loss": float(p.loss_sum) if c.last else None,
+                "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
+                "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline}
+
+    def _forward(self, a, step: int, g: int, xs, ys, p: _Progress) -> tuple[float, float]:
+        c, tr = self.cell, self.tr
+        if c.first:
+            inp = xs[a.mb]
+        else:
+            with talking_to_peers(f"receiving the activation of microbatch {g}"):
+                inp = tr.recv(step, "act", g, c.in_meta)
+            if inp.is_floating_point():
+                inp.requires_grad_()
+        t0 = time.time()
+        out = self.stage(inp)
+        if c.last:
+            out = self.loss_fn(out, ys[a.mb]) * self.scale
+            p.loss_sum += out.detach().double().cpu()
+        t1 = time.time()
+        p.stash[a.mb] = (inp, out)
+        if not c.last:
+            self._check_shape(out, g)
+            with talking_to_peers(f"sending the activation of microbatch {g}"):
+                tr.send(step, "act", g, out)
+        p.live += 1
+        p.peak = max(p.peak, p.live)
+        return t0, t1
+
+    def _check_shape(self, out: torch.Tensor, g: int) -> None:
+        c = self.cell
+        if self.tr.fixed_shapes and (tuple(out.shape), out.dtype) != c.out_meta:
+            raise ValueError(
+                f"stage {c.pp_rank} (layers {c.layers[0]}-{c.layers[1] - 1}) produced an activation of shape "
+                f"{tuple(out.shape)} {out.dtype} for microbatch {g}, but the pipeline was set up for "
+                f"{c.out_meta[0]} {c.out_meta[1]} (the shape of the first microbatch): transport 'collective' needs "
+                "every microbatch's activation to keep one shape; set parallelism.transport: object_store for "
+                "activations whose shape varies")
+
+    def _backward(self, a, step: int, g: int, p: _Progress) -> tuple[float, float]:
+        c, tr, reduce = self.cell, self.tr, self.reduce
+        inp, out = p.stash.pop(a.mb)
+        grad = None
+        if not c.last:
+            with talking_to_peers(f"receiving the gradient of microbatch {g}"):
+                grad = tr.recv(step, "grad", g, c.out_meta)
+        t0 = time.time()
+        final = a == c.last_backward
+        if reduce is not None and final:
+            with talking_to_peers("arming the gradient sum"):
+                reduce.arm()  # the gradients become final in this backward: all-reduce as they do
+        split = (final and not c.first and inp.requires_grad and out.requires_grad
+                 and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
+        if split:
+            # the previous stage's last backward waits for this input gradient: send it
+            # before computing the weight gradients, so the pipeline drains sooner
+            _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], self.stage.parameters())
+            self._send_grad(step, g, inp)
+            stage_backward_weight(self.stage.parameters(), groups)
+        elif out.requires_grad:
+            torch.autograd.backward(out, grad)
+        t1 = time.time()
+        p.live -= 1
+        if not split and not c.first and inp.requires_grad:
+            self._send_grad(step, g, inp)
+        return t0, t1
+
+    def _send_grad(self, step: int, g: int, inp: torch.Tensor) -> None:
+        with talking_to_peers(f"sending the gradient of microbatch {g}"):
+            self.tr.send(step, "grad", g, inp.grad)

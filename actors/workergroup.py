@@ -1,0 +1,294 @@
+"""A job's workers: their actor handles by cell, names, nodes and layers, the configuration
+generation, where they are placed, and every call made to all of them at once (with its
+timeout, the pings that tell a slow worker from a dead one, and the abort that wakes the
+others when one is lost).  It decides nothing: the controller tells it what to do."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from actors.failures import JobFailure, cell_name, kind_of, step_failure
+from actors.worker import StageWorker
+from service import names, planner
+from service.spec import JobSpec
+
+Cell = tuple  # (dp_rank, pp_rank); workers started for a scale-up are keyed ("joining", gen, i)
+
+
+@dataclass
+class Joining:
+    """Workers started in the background for a scale-up; the reshape waits for them."""
+
+    handles: list
+    ready: list
+    deadline: float
+    detected: float = field(default_factory=time.time)
+
+
+class WorkerGroup:
+    def __init__(self, job_id: str, spec: JobSpec, search: list[str], *, timeout: float, start_timeout: float,
+                 detached: bool, log: Callable[[dict], None]):
+        self.job_id, self.spec, self.search = job_id, spec, search
+        self.timeout, self.start_timeout, self.detached = timeout, start_timeout, detached
+        self.elastic = spec.elastic.enabled
+        self.log = log                                   # what the workers of a discarded step printed
+        self.workers: dict[Cell, Any] = {}
+        self.where: dict[Cell, dict] = {}                # cell -> {node, layers, name}
+        self.names: dict[str, str] = {}                  # actor id -> actor name
+        self.gen = 0
+        self.gpus = 0.0
+        self.pg = None
+        self.shape: Optional[planner.Shape] = None
+        self.joining: Optional[Joining] = None
+
+    # ---------------------------------------------------------------- placing
+
+    def gpus_per_worker(self) -> float:
+        g = self.spec.resources.gpus_per_worker
+        if g is not None:
+            return g
+        workers = self.spec.elastic.min_workers if self.elastic else self.spec.parallelism.dp * self.spec.parallelism.pp
+        return 1.0 if ray.cluster_resources().get("GPU", 0) >= workers else 0.0
+
+    def spawn(self, cells: list, actor_names: Optional[list[str]] = None) -> dict:
+        """New worker actors for ``cells`` (not configured yet)."""
+        cpus = self.spec.resources.cpus_per_worker
+        Worker = ray.remote(StageWorker)
+        spec_dict = self.spec.model_dump(mode="json")
+        opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 4,
+                                "namespace": names.NAMESPACE}
+        if not self.elastic:  # a fixed shape is placed all at once, packed
+            self._reserve(len(cells), {"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})})
+        out = {}
+        for i, (r, s) in enumerate(cells):
+            name = actor_names[i] if actor_names else names.worker_name(self.job_id, r, s, self.gen + 1 if self.gen else 0)
+            extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i)} if self.pg else {}
+            h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
+            self.names[h._actor_id.hex()] = name
+            out[(r, s)] = h
+        return out
+
+    def _reserve(self, n: int, bundle: dict) -> None:
+        self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
+                                  name=names.placement_group_name(self.job_id),
+                                  lifetime="detached" if self.detached else None)
+        if not self.pg.wait(self.start_timeout):
+            total = ray.cluster_resources()
+            raise JobFailure(
+                f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s "
+                f"(the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all); "
+                "lower dp x pp or the resources per worker, or add nodes")
+
+    def start_joining(self, k: int) -> None:
+        """Start ``k`` workers for a scale-up in the background."""
+        spawned = self.spawn([("new", i) for i in range(k)],
+                             actor_names=[names.joining_name(self.job_id, self.gen, i) for i in range(k)])
+        handles = list(spawned.values())
+        self.joining = Joining(handles, [h.__ray_ready__.remote() for h in handles],
+                               time.monotonic() + self.start_timeout)
+
+    def take_joined(self, keep: dict) -> None:
+        """Workers started for a scale-up that are up by now join ``keep``; failed ones are stopped."""
+        inc = self.joining
+        if inc is None:
+            return
+        ready, _ = ray.wait(inc.ready, num_returns=len(inc.ready), timeout=0)
+        for h, ref in zip(inc.handles, inc.ready):
+            if ref in ready:
+                try:
+                    ray.get(ref, timeout=0)
+                    keep[("joining", self.gen, h._actor_id.hex())] = h
+                except Exception:
+                    kill(h)
+        inc.handles = [h for h, ref in zip(inc.handles, inc.ready) if ref not in ready]
+        inc.ready = [ref for ref in inc.ready if ref not in ready]
+        if not inc.ready:
+            self.joining = None
+
+    def joined(self) -> Optional[dict]:
+        """When every worker started for a scale-up is up: them, by a cell key of their own
+        ({} if any failed to start or the deadline passed: all are stopped).  None while
+        they start."""
+        inc = self.joining
+        if inc is None:
+            return None
+        ready, _ = ray.wait(inc.ready, num_returns=len(inc.ready), timeout=0)
+        if len(ready) < len(inc.ready) and time.monotonic() < inc.deadline:
+            return None
+        self.joining = None
+        try:
+            ray.get(inc.ready, timeout=0)
+        except Exception:
+            for h in inc.handles:
+                kill(h)
+            return {}
+        return {("new", i): h for i, h in enumerate(inc.handles)}
+
+    def wait_ready(self, handles: dict) -> None:
+        self.gather({k: h.__ray_ready__.remote() for k, h in handles.items()}, None, self.start_timeout)
+
+    # ---------------------------------------------------------------- configuring
+
+    def configure(self, shape: planner.Shape, why: str, assign: dict, committed: int, sources: dict,
+                  boundary: list) -> dict:
+        """Give each worker of ``assign`` its cell of ``shape`` at ``committed`` steps, with the
+        state ``sources`` (cell -> refs) of layers it lacks, then connect them.  Returns the
+        seconds each phase took."""
+        p = self.spec.parallelism
+        self.gen += 1
+        calls = {(r, s): h.configure.remote(
+            {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds,
+             "boundary": boundary, "schedule": p.schedule, "committed": committed}, sources.get((r, s), []))
+            for (r, s), h in assign.items()}
+        phase = "while taking its cell" if self.gen > 1 else "while starting"
+        t0 = time.time()
+        infos = self.gather(calls, None, self.start_timeout, phase)
+        t1 = time.time()
+        self.workers = dict(assign)
+        self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
+                          "name": self.names.get(h._actor_id.hex(), "")} for c, h in assign.items()}
+        self._connect(shape, phase)
+        self.shape = shape
+        return {"configure_s": t1 - t0, "connect_s": time.time() - t1}
+
+    def _connect(self, shape: planner.Shape, phase: str) -> None:
+        p = self.spec.parallelism
+        need_group = p.transport == "collective" or shape.dp > 1
+        rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
+        conns = {(r, s): w.connect.remote(p.transport, (self.workers.get((r, s - 1)), self.workers.get((r, s + 1))),
+                                          rdzv, shape.workers)
+                 for (r, s), w in self.workers.items()}
+        self.gather(conns, None, self.start_timeout, phase)
+
+    def layers_of(self, c: Cell) -> set[int]:
+        return set(range(*self.where[c]["layers"])) if c in self.where else set()
+
+    def node_of(self, c: Cell) -> Optional[str]:
+        return self.where.get(c, {}).get("node")
+
+    def describe(self) -> dict:
+        return {f"w{r}.{s}": self.where[(r, s)]["node"] for r, s in sorted(self.workers)}
+
+    # ---------------------------------------------------------------- calls to all
+
+    def call_all(self, method: str, *args) -> dict:
+        return {c: getattr(w, method).remote(*args) for c, w in self.workers.items()}
+
+    def gather(self, refs: dict, step: Optional[int], timeout: float, phase: str = "while starting") -> dict:
+        """Results of one call per worker.  On a failure, wait briefly for the others so the
+        cause is reported (a user error beats the peers' broken connections), then raise:
+        ``WorkerLost`` when workers died in an elastic job's step, else ``JobFailure``."""
+        out, errors, pings, t_error = self._collect(refs, step, timeout)
+        if not errors:
+            return out
+        self.log({k: r.pop("output", []) for k, r in out.items() if isinstance(r, dict)})  # the step is discarded
+        silent = set()
+        if pings:
+            answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+            silent = {c for c, ref in pings.items() if ref not in answered and c not in out and c not in errors}
+        raise step_failure(errors, step, phase, elastic=self.elastic, t_error=t_error, silent=silent) from None
+
+    def _collect(self, refs: dict, step: Optional[int], timeout: float):
+        """Wait for ``refs``; after the first failure of a peer, abort the step everywhere and
+        stop once the rest have answered or stay silent to pings."""
+        by_ref = {ref: key for key, ref in refs.items()}
+        pending = list(by_ref)
+        out, errors, pings = {}, {}, {}
+        deadline = time.monotonic() + timeout
+        first_error, t_error = None, time.time()
+        while pending:
+            limit = deadline if first_error is None else min(deadline, first_error + 3.0)
+            if pings and time.monotonic() > first_error + 0.3 and self._all_silent(pings, [by_ref[x] for x in pending]):
+                break  # a call to an actor on a crashed node hangs until Ray marks the node dead: not waited for
+            done, pending = ray.wait(pending, num_returns=1,
+                                     timeout=max(0.0, min(limit, time.monotonic() + 0.1) - time.monotonic()))
+            if not done:
+                if time.monotonic() < limit:
+                    continue
+                if first_error is not None:
+                    break
+                names_ = ", ".join(cell_name(c) for c in sorted(by_ref[x] for x in pending))
+                raise JobFailure(f"workers {names_} did not finish "
+                                 f"{f'step {step + 1}' if step is not None else 'start-up'} within {timeout:.0f} s")
+            key = by_ref[done[0]]
+            try:
+                out[key] = ray.get(done[0])
+                continue
+            except Exception as e:
+                errors[key] = e
+            if kind_of(errors[key]) == "user":
+                break  # user code raised: that is the cause
+            if first_error is None:
+                first_error, t_error = time.monotonic(), time.time()
+                if self.elastic and step is not None:  # wake every worker blocked on the lost one
+                    pings = self.abort_all()
+        return out, errors, pings, t_error
+
+    @staticmethod
+    def _all_silent(pings: dict, cells: list) -> bool:
+        """Do none of ``cells`` answer their ping (threaded actors answer even mid-step)?"""
+        answered, _ = ray.wait(list(pings.values()), num_returns=len(pings), timeout=0)
+        return all(pings[c] not in answered for c in cells)
+
+    def abort_all(self) -> dict:
+        """Wake every worker from its step (a peer was lost); returns a ping per worker."""
+        pings = {}
+        for k, w in self.workers.items():
+            w.abort.remote(self.gen)
+            pings[k] = w.ping.remote()
+        return pings
+
+    def answering(self, handles: dict, timeout: float) -> tuple[dict, set]:
+        """Which of ``handles`` answer a ping within ``timeout``: (alive by cell, silent cells)."""
+        pings = {c: h.ping.remote() for c, h in handles.items()}
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout)
+        alive, silent = {}, set()
+        for c, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+                alive[c] = handles[c]
+            except Exception:
+                silent.add(c)
+        return alive, silent
+
+    def drain_output(self) -> dict:
+        """At the end (a failure above all): what the workers printed since their last result."""
+        refs = self.call_all("take_output")
+        if refs:
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=2.0)
+        got = {}
+        for c, ref in refs.items():
+            try:
+                got[c] = ray.get(ref, timeout=0)
+            except Exception:
+                continue  # gone, or still busy: its lines stay in Ray's log files
+        return got
+
+    def stop_others(self, handles) -> None:
+        """Stop the actors among ``handles`` that are not workers of the current shape."""
+        current = list(self.workers.values())
+        for h in handles:
+            if h not in current:
+                kill(h)
+
+    def teardown(self) -> None:
+        for w in list(self.workers.values()) + (self.joining.handles if self.joining else []):
+            kill(w)
+        if self.pg is not None:
+            try:
+                remove_placement_group(self.pg)
+            except Exception:
+                pass
+        self.workers = {}
+
+
+def kill(handle) -> None:
+    try:
+        ray.kill(handle)
+    except Exception:
+        pass

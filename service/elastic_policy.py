@@ -1,0 +1,115 @@
+"""The elastic policy: what a job should do about the cluster it sees now.  Pure: a
+``Situation`` in, one small decision out (``Keep``, ``Reshape``, ``Wait``, ``Fail``), tested
+without Ray.  The job's controller (actors/controller.py) carries the decisions out.
+
+Three moments ask it:
+
+- **a loss**: workers died (``lost``) or their nodes announced they are going (``draining``):
+  the job must move, over the workers it keeps plus the free slots (a forced reshape);
+- **a boundary** with nothing wrong: grow when free slots make a shape at least
+  ``elastic.min_gain`` faster than the current one (the controller starts the workers it
+  needs, and asks again once they are up: ``joined``), else keep going;
+- **a wait**: too few slots for any shape: wait, then fail after ``elastic.wait_timeout_s``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Union
+
+from service import planner
+from service.spec import JobSpec
+
+
+@dataclass(frozen=True)
+class Keep:
+    reason: str = "nothing changed"
+
+
+@dataclass(frozen=True)
+class Reshape:
+    shape: planner.Shape
+    reason: str            # why the planner chose this shape
+    forced: bool           # the current shape cannot go on (a loss, a drain); else a voluntary growth
+
+    def more_workers(self, have: int) -> int:
+        return max(0, self.shape.workers - have)
+
+
+@dataclass(frozen=True)
+class Wait:
+    reason: str
+
+
+@dataclass(frozen=True)
+class Fail:
+    reason: str
+
+
+Decision = Union[Keep, Reshape, Wait, Fail]
+
+
+@dataclass(frozen=True)
+class Situation:
+    """What the job's controller sees at one moment."""
+
+    kept: int                              # live workers of the job that may take cells of a new shape
+    free: int                              # free worker slots on alive, non-draining, unsuspected nodes
+    current: Optional[tuple[int, int]]     # the running (dp, pp); None while starting
+    forced: bool = False                   # workers were lost or their nodes are draining
+    joined: int = 0                        # of ``kept``, workers started for a growth and now up
+    waited_s: float = 0.0                  # seconds already spent waiting for slots
+
+    @property
+    def slots(self) -> int:
+        return self.kept + self.free
+
+
+def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
+         current: Optional[tuple[int, int]] = None) -> planner.Decision:
+    """The planner's answer for this job over ``slots`` (the one place its arguments are spelled)."""
+    e, p, res = spec.elastic, spec.parallelism, spec.resources
+    mem = res.memory_per_worker_mb
+    return planner.plan(slots, facts, spec.training.global_batch_size, spec.training.microbatch_size,
+                        preferred=(p.dp, p.pp), min_workers=e.min_workers, max_workers=e.max_workers,
+                        schedule=p.schedule, transport=p.transport, optimizer=spec.optimizer.name,
+                        partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
+                        current=current, min_gain=e.min_gain)
+
+
+def decide(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
+    """The decision for ``sit``; see the module's docstring."""
+    if sit.forced or sit.current is None:
+        return _place(sit, spec, facts)
+    if sit.joined:
+        return _grow_onto_joined(sit, spec, facts)
+    return _maybe_grow(sit, spec, facts)
+
+
+def _place(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
+    d = plan(spec, facts, sit.slots)
+    if not d.wait:
+        return Reshape(d.shape, d.reason, forced=True)
+    limit = spec.elastic.wait_timeout_s
+    if sit.waited_s > limit:
+        return Fail(f"{d.reason}; gave up after elastic.wait_timeout_s={limit:g} s")
+    return Wait(d.reason)
+
+
+def _grow_onto_joined(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
+    """Workers started for a growth are up: reshape onto them unless it no longer pays."""
+    d = plan(spec, facts, sit.slots, current=sit.current)
+    if d.wait or (d.shape.dp, d.shape.pp) == sit.current:
+        return Keep(d.reason)
+    return Reshape(d.shape, d.reason, forced=False)
+
+
+def _maybe_grow(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
+    """A boundary with nothing wrong: a ``Reshape`` here means "start the workers it needs"."""
+    if sit.kept >= spec.elastic.max_workers or sit.free <= 0:
+        return Keep("no free slot" if sit.free <= 0 else "at elastic.max_workers")
+    d = plan(spec, facts, sit.slots, current=sit.current)
+    if d.wait or (d.shape.dp, d.shape.pp) == sit.current:
+        return Keep(d.reason)
+    if d.shape.workers <= sit.kept:
+        return Keep(f"the faster shape {d.shape.label()} needs no more workers")
+    return Reshape(d.shape, d.reason, forced=False)

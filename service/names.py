@@ -1,0 +1,27 @@
+"""The names Ray knows a job's actors by, and the namespace they live in: one module, low
+enough for every layer (the control plane, the actors and the tests) to use."""
+from __future__ import annotations
+
+NAMESPACE = "relaytrain"
+
+
+def scheduler_name(job_id: str) -> str:
+    return f"relaytrain:{job_id}:scheduler"
+
+
+def placement_group_name(job_id: str) -> str:
+    return f"relaytrain:{job_id}:workers"
+
+
+def worker_name(job_id: str, dp_rank: int, pp_rank: int, gen: int = 0) -> str:
+    """A worker started for cell (dp_rank, pp_rank) of configuration ``gen`` (0: the first)."""
+    return f"relaytrain:{job_id}:w{dp_rank}.{pp_rank}" + (f"-{gen}" if gen else "")
+
+
+def joining_name(job_id: str, gen: int, i: int) -> str:
+    """The i-th worker started for a scale-up while configuration ``gen`` runs."""
+    return f"relaytrain:{job_id}:joining-{gen}-{i}"
+
+
+def is_scheduler(name: str, job_prefix: str = "") -> bool:
+    return name.startswith(f"relaytrain:{job_prefix}") and name.endswith(":scheduler")

@@ -1,0 +1,148 @@
+"""The job controller one step at a time, without Ray: the real controller and elastic policy
+over the scripted doubles of tests/util.py (a cluster of 1-slot nodes, a worker group whose
+steps succeed or fail as queued).  What a user would read is checked: the job's state, its
+error and its events."""
+from __future__ import annotations
+
+import pytest
+
+from actors.controller import JobController
+from actors.record import JobRecord
+from service import elastic_policy as policy
+from service.spec import parse_spec
+from tests.util import FakeCluster, FakeGroup, FakeKeeper, FakeReshaper, died, peer_error, user_error
+
+
+def spec(steps=6, dp=2, pp=2, **elastic):
+    return parse_spec({
+        "name": "ctl", "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 3}},
+        "data": {"kind": "digits"}, "optimizer": {"name": "sgd", "lr": 0.1},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps},
+        "parallelism": {"dp": dp, "pp": pp, "layer_costs_ms": [1, 10, 10, 1]},
+        # the whole model (~0.5 MB with gradients and momentum-free SGD's slot) does not fit one worker: pp >= 2
+        "resources": {"memory_per_worker_mb": 0.4},
+        "elastic": {"enabled": True, "min_workers": 1, "max_workers": 4, **elastic},
+    })
+
+
+def controller(s, nodes=4):
+    cluster = FakeCluster(nodes)
+    group = FakeGroup(s, cluster)
+    record = JobRecord("ctl-job", s.training.steps, None)
+    ctl = JobController("ctl-job", s, [], record, group, FakeKeeper(), run_preflight=False, save_model=None,
+                        watch=cluster, reshaper=FakeReshaper)
+    return ctl, group, cluster, record
+
+
+def events(record, kind):
+    return [e for e in record.events if e["type"] == kind]
+
+
+def test_a_lost_worker_reshapes_and_every_step_commits_once():
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step()
+    group.queue_step()
+
+    def crash():
+        cluster.remove(group.node_of((1, 1)))
+    group.queue_step({(1, 1): died(), (0, 1): peer_error(), (1, 0): peer_error()}, before=crash)
+    ctl.run()
+    assert record.state.value == "SUCCEEDED"
+    assert group.steps_run == [1, 2, 3, 4, 5, 6]  # step 3 failed, was discarded and ran again
+    [lost] = events(record, "worker_lost")
+    assert lost["step"] == 3 and "worker w1.1 at step 3 died" in lost["message"]
+    [reshape] = events(record, "reshape")
+    assert reshape["old_shape"] == [2, 2] and reshape["new_shape"] in ([1, 3], [1, 2])
+    assert reshape["steps_lost"] == 0 and reshape["step"] == 3
+
+
+def test_below_min_workers_waits_then_fails_with_the_reason():
+    s = spec(dp=1, pp=2, min_workers=2, wait_timeout_s=1.5)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    group.queue_step()
+    group.queue_step({(0, 1): died(), (0, 0): peer_error()}, before=lambda: cluster.remove(group.node_of((0, 1))))
+    ctl.run()
+    assert record.state.value == "FAILED"
+    assert record.error.startswith("waiting for workers: 1 slot alive, the job needs at least "
+                                   "elastic.min_workers=2; gave up after elastic.wait_timeout_s=1.5 s")
+    [waiting] = events(record, "waiting")
+    assert waiting["slots"] == 1
+    assert events(record, "failed")[0]["message"] == record.error
+
+
+def test_a_draining_node_is_left_at_the_next_boundary():
+    s = spec(dp=1, pp=2)
+    ctl, group, cluster, record = controller(s, nodes=3)
+    group.queue_step()
+    group.queue_step(before=lambda: cluster.draining.update({group.node_of((0, 1)): None}))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED"
+    assert group.steps_run == [1, 2, 3, 4, 5, 6]  # a planned move: no step failed
+    [reshape] = events(record, "reshape")
+    assert "draining" in reshape["reason"] and reshape["steps_lost"] == 0
+    assert reshape["step"] == 3  # left at the boundary after step 2
+    assert not events(record, "worker_lost")
+    assert all(node not in cluster.draining for node in group.describe().values())
+
+
+@pytest.mark.parametrize("exc, says", [
+    (RuntimeError("peer review failed"), "raised RuntimeError: peer review failed"),
+    (RuntimeError("gloo: Connection closed by peer"), "raised RuntimeError: gloo: Connection closed by peer"),
+    (TimeoutError("the data server did not answer"), "raised TimeoutError: the data server did not answer"),
+])
+def test_a_user_error_fails_an_elastic_job_whatever_its_words(exc, says):
+    """The user's exception is the user's: never taken for a lost peer, however it reads."""
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step()
+    group.queue_step({(0, 1): user_error(exc), (1, 1): peer_error(), (0, 0): peer_error()})
+    ctl.run()
+    assert record.state.value == "FAILED"
+    assert record.error == f"worker w0.1 at step 2 {says}"
+    assert not events(record, "reshape") and not events(record, "worker_lost")
+
+
+def test_a_joining_node_grows_the_job_at_a_boundary():
+    s = spec(dp=2, pp=2, steps=8)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    group.queue_step()
+    group.queue_step(before=lambda: (cluster.add("node8"), cluster.add("node9")))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == list(range(1, 9))
+    [reshape] = events(record, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and "joined" in reshape["reason"]
+
+
+def test_cancel_ends_the_job_between_steps():
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step(before=ctl.cancelled.set)
+    ctl.run()
+    assert record.state.value == "CANCELLED" and group.steps_run == [1]
+    assert events(record, "cancelled")[0]["message"] == "job cancelled after 1 committed steps"
+
+
+# ---------------------------------------------------------------- the policy alone, as a table
+
+def facts():
+    from service.planner import LayerFacts
+    return LayerFacts([0.001, 0.01, 0.01, 0.001], [60_000, 60_000, 60_000, 2_000], [64, 64, 64, 40])
+
+
+@pytest.mark.parametrize("sit, want", [
+    (policy.Situation(kept=0, free=4, current=None), ("Reshape", (2, 2))),
+    (policy.Situation(kept=3, free=0, current=None, forced=True), ("Reshape", None)),
+    (policy.Situation(kept=4, free=0, current=(2, 2)), ("Keep", None)),
+    (policy.Situation(kept=2, free=2, current=(1, 2)), ("Reshape", (2, 2))),
+    (policy.Situation(kept=0, free=0, current=None, forced=True), ("Wait", None)),
+    (policy.Situation(kept=0, free=0, current=None, forced=True, waited_s=99), ("Fail", None)),
+])
+def test_policy_table(sit, want):
+    s = spec(min_workers=1, wait_timeout_s=10)
+    d = policy.decide(sit, s, facts())
+    assert type(d).__name__ == want[0], d
+    if want[1]:
+        assert (d.shape.dp, d.shape.pp) == want[1]
+    if isinstance(d, policy.Fail):
+        assert d.reason.endswith("gave up after elastic.wait_timeout_s=10 s")

@@ -1,0 +1,198 @@
+"""Scripted test doubles for the job controller (as Ray Train v2's tests/util.py): a cluster of
+named nodes, a worker group whose steps succeed or fail as the test queues them, a reshaper
+that places cells on nodes without moving state, and a state keeper that holds nothing.
+The controller and the elastic policy under test are the real ones; no Ray runs."""
+from __future__ import annotations
+
+import collections
+import time
+from typing import Callable, Optional
+
+import ray
+
+from actors.cluster import NodeView
+from actors.failures import PeerLost, step_failure
+from actors.reshape import Move, Reshaped, Reshaper
+from actors.workergroup import Joining
+
+
+class FakeCluster:
+    """Nodes with one worker slot each; a node can be removed (dead) or set draining."""
+
+    def __init__(self, nodes: int):
+        self.nodes = {f"node{i}": 1.0 for i in range(nodes)}
+        self.draining: dict[str, Optional[float]] = {}
+        self.group: Optional["FakeGroup"] = None
+
+    def remove(self, node: str) -> None:
+        self.nodes.pop(node)
+
+    def add(self, node: str) -> None:
+        self.nodes[node] = 1.0
+
+    @property
+    def view(self) -> NodeView:
+        used = collections.Counter(w["node"] for w in self.group.where.values()) if self.group else {}
+        joining = len(self.group.joining.handles) if self.group and self.group.joining else 0
+        free = {n: {"CPU": cpus - used.get(n, 0)} for n, cpus in self.nodes.items()}
+        for n in free:  # workers being started take free slots first
+            take = min(joining, max(0, int(free[n]["CPU"])))
+            free[n]["CPU"] -= take
+            joining -= take
+        return NodeView(alive=set(self.nodes), draining=dict(self.draining), free=free, time=time.time())
+
+    def refresh(self) -> NodeView:
+        return self.view
+
+    def start(self) -> "FakeCluster":
+        return self
+
+    def stop(self) -> None:
+        pass
+
+
+def user_error(exc: BaseException) -> ray.exceptions.RayTaskError:
+    """What ray.get raises when a worker's step raised ``exc`` in user code."""
+    return ray.exceptions.RayTaskError("run_step", f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}",
+                                       exc)
+
+
+def peer_error() -> ray.exceptions.RayTaskError:
+    return user_error(PeerLost("receiving the activation of microbatch 3 failed: RuntimeError: Connection closed"))
+
+
+def died() -> ray.exceptions.ActorDiedError:
+    return ray.exceptions.ActorDiedError()
+
+
+class FakeGroup:
+    """The worker group's interface, with steps scripted by ``queue_step``."""
+
+    def __init__(self, spec, cluster: FakeCluster):
+        self.spec, self.cluster = spec, cluster
+        self.elastic = spec.elastic.enabled
+        self.timeout = self.start_timeout = 5.0
+        self.workers: dict = {}
+        self.where: dict = {}
+        self.shape = None
+        self.gpus = 0.0
+        self.joining: Optional[Joining] = None
+        self.steps_run: list[int] = []
+        self._outcomes: collections.deque = collections.deque()
+        cluster.group = self
+
+    def queue_step(self, errors: Optional[dict] = None, before: Optional[Callable[[], None]] = None) -> None:
+        """The next step: every worker succeeds (``errors`` None) or these cells raise; ``before``
+        runs first (e.g. the test removes a node)."""
+        self._outcomes.append((errors, before))
+
+    # --- what the reshaper does to it
+    def place(self, shape) -> None:
+        kept = {c: w["node"] for c, w in self.where.items()}
+        free = [n for n in self.cluster.nodes if n not in self.cluster.draining and n not in kept.values()]
+        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        nodes = [n for n in kept.values() if n in self.cluster.nodes and n not in self.cluster.draining] + free
+        self.where = {c: {"node": nodes[i], "layers": shape.bounds[c[1]], "name": ""} for i, c in enumerate(cells)}
+        self.workers = {c: f"worker-{c}" for c in cells}
+        self.shape = shape
+
+    # --- the WorkerGroup interface the controller uses
+    def gpus_per_worker(self) -> float:
+        return 0.0
+
+    def call_all(self, method: str, *args) -> dict:
+        return {c: (method, args) for c in self.workers}
+
+    def gather(self, refs: dict, step, timeout: float, phase: str = "while starting") -> dict:
+        errors, before = self._outcomes.popleft() if self._outcomes else (None, None)
+        if before:
+            before()
+        if errors:
+            raise step_failure(errors, step, phase, elastic=self.elastic, t_error=time.time())
+        self.steps_run.append(step + 1)
+        now = time.time()
+        return {c: {"loss": 0.5 if c[1] == self.shape.pp - 1 else None, "busy": 0.01, "start": now, "pipe_end": now,
+                    "end": now, "peak_live": 1, "allreduce_s": 0.0, "output": [], "timeline": []} for c in refs}
+
+    def node_of(self, c) -> Optional[str]:
+        return self.where.get(c, {}).get("node")
+
+    def describe(self) -> dict:
+        return {f"w{r}.{s}": self.where[(r, s)]["node"] for r, s in sorted(self.workers)}
+
+    def drain_output(self) -> dict:
+        return {}
+
+    def stop_others(self, handles) -> None:
+        pass
+
+    def take_joined(self, keep: dict) -> None:
+        pass
+
+    def start_joining(self, k: int) -> None:
+        self.joining = Joining([f"joining-{i}" for i in range(k)], [], time.monotonic() + 5)
+
+    def joined(self) -> Optional[dict]:
+        """Workers started for a growth are up at the next boundary."""
+        got, self.joining = self.joining, None
+        return {("new", i): h for i, h in enumerate(got.handles)} if got else None
+
+    def teardown(self) -> None:
+        self.workers = {}
+
+
+class FakeReshaper(Reshaper):
+    """Places cells on the fake cluster's nodes; every state source is taken as given."""
+
+    def install(self, shape, why, assign, committed, boundary, *, copy, donors, copy_layers=None) -> dict:
+        self.group.place(shape)
+        return {}
+
+    def after_loss(self, refs: dict, lost) -> Move:
+        dead = {c for c in self.group.workers if self.group.node_of(c) not in self.group.cluster.nodes}
+        alive = {c: h for c, h in self.group.workers.items() if c not in dead}
+        nodes = {self.group.node_of(c) for c in dead}
+        self.suspect |= nodes
+        return Move(f"lost {sorted(dead)} ({lost.failure})", keep=alive, donors=alive, exclude=nodes, forced=True,
+                    detected=lost.time)
+
+    def choose_copy(self, move: Move, committed: int) -> None:
+        move.committed = committed
+
+    def carry_out(self, move: Move, shape, why: str, boundary: list) -> Reshaped:
+        g = self.group
+        old = [g.shape.dp, g.shape.pp] if g.shape else None
+        g.where = {c: w for c, w in g.where.items() if c in move.keep}
+        g.place(shape)
+        return Reshaped(move.reason, old, [shape.dp, shape.pp], move.detected, 0, None, None, why,
+                        {"installed_at": time.time()})
+
+    def drop_dead(self, handles: dict) -> set:
+        return set()
+
+
+class FakeKeeper:
+    checkpoint_root = None
+    snapshot_s = None
+    wanted = None
+
+    def snapshot_landed(self) -> bool:
+        return True
+
+    def take_snapshot(self, committed: int) -> None:
+        pass
+
+    def resume_copy(self):
+        return None
+
+    def settle(self) -> None:
+        pass
+
+    def newest_copy(self):
+        return None
+
+    def forget_pending(self) -> None:
+        pass
+
+    def collect(self, committed: int):
+        return {"steps": committed}, {}
