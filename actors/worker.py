@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from actors.collectives import GradBuckets, Group, SharedMemorySum
-from actors.failures import StageAborted, talking_to_peers
+from actors.failures import talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, GradientReducer, StepRunner, Transport
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
@@ -41,7 +41,6 @@ from service.loading import build_data, build_loss, build_model, build_optimizer
 from service.sampling import step_indices
 from service.spec import JobSpec
 
-__all__ = ["StageWorker", "StageAborted", "has_state", "layer_of"]
 
 
 # Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
