@@ -42,7 +42,6 @@ from service.sampling import step_indices
 from service.spec import JobSpec
 
 
-
 # Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
 BUCKET_BYTES = int(float(os.environ.get("RELAYTRAIN_BUCKET_MB", "8")) * 2**20)
 # Launch buckets during the last backward (as DDP) or after it.  Overlap pays where the
