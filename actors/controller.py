@@ -23,17 +23,16 @@ from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
 from service import elastic_policy as policy
 from service import partition, planner
-from service.loading import preflight
 from service.spec import JobSpec, SpecError
 
 
 class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
-                 keeper: StateKeeper, *, run_preflight: bool, save_model: Optional[Callable[[dict], None]],
+                 keeper: StateKeeper, *, save_model: Optional[Callable[[dict], None]],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
-        self.run_preflight, self.save_model = run_preflight, save_model
+        self.save_model = save_model
         self.elastic = spec.elastic.enabled
         self.layers: Optional[layerfacts.Layers] = None
         self.make_reshaper = reshaper
@@ -88,8 +87,6 @@ class JobController:
     def _start(self, state: Starting) -> State:
         if self.layers is None:
             self.record.event("started", f"job {self.job_id} started")
-            if self.run_preflight:  # user code is imported here, never in the API server
-                preflight(self.spec, [os.getcwd(), *self.search])
             self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             self.group.gpus = self.group.gpus_per_worker()

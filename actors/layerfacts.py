@@ -1,17 +1,13 @@
-"""What the scheduler learns about a job's layers before placing it: each layer's cost (from
-the spec, a CPU profile or nothing), parameter bytes, output shape and bytes, and which
-layers carry no state."""
+"""What the scheduler learns about a job's layers before placing it, without building them:
+each layer's cost (declared in the spec, or estimated from its FLOPs and bytes), parameter
+bytes, output shape and bytes, and which layers carry no state (service/tracing.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from actors.state import has_state
-from service import partition, planner
-from service.loading import build_data, build_model
-from service.sampling import step_indices
-from service.spec import JobSpec, SpecError
+from service import planner, tracing
+from service.loading import preflight
+from service.spec import JobSpec
 
 
 @dataclass(frozen=True)
@@ -19,37 +15,29 @@ class Layers:
     facts: planner.LayerFacts
     metas: list            # (shape, dtype) of each layer's output for one microbatch
     stateless: frozenset   # layers with no parameters and no persistent buffers: built whole at any step
-    profiled: bool         # the costs were measured or declared (else all zero)
+    profiled: bool         # the costs were declared or estimated (else all zero)
+    on_meta: bool          # traced on the meta device (else run once for real: a small model)
 
 
 def learn(spec: JobSpec, search: list[str]) -> Layers:
+    """The pre-flight check (service/loading.py) and what it traced."""
     p = spec.parallelism
-    model = build_model(spec, search)
-    samples = build_data(spec, search)
-    t = spec.training
-    idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
-    x, _ = samples.batch(idx)
+    t = preflight(spec, search)
     profiled = spec.elastic.enabled or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
-    seconds = _costs(spec, model, x, profiled)
-    metas, act_bytes = [], []
-    with torch.no_grad():
-        h = x
-        for layer in model:
-            h = layer(h)
-            metas.append((tuple(h.shape), h.dtype))
-            act_bytes.append(h.numel() * h.element_size())
-    params = [sum(q.numel() * q.element_size() for q in layer.parameters()) for layer in model]
-    stateless = frozenset(i for i, layer in enumerate(model) if not has_state(layer))
-    return Layers(planner.LayerFacts(seconds, params, act_bytes), metas, stateless, profiled)
+    if p.layer_costs_ms:
+        seconds = [c / 1000.0 for c in p.layer_costs_ms]
+    elif profiled:
+        seconds = tracing.estimate_seconds(t, threads=max(1, int(spec.resources.cpus_per_worker)))
+    else:
+        seconds = [0.0] * len(t.metas)
+    act_bytes = [_bytes(shape, dtype) for shape, dtype in t.metas]
+    return Layers(planner.LayerFacts(seconds, t.param_bytes, act_bytes), t.metas, t.stateless, profiled, t.on_meta)
 
 
-def _costs(spec: JobSpec, model, x, profiled: bool) -> list[float]:
-    costs = spec.parallelism.layer_costs_ms
-    if costs:
-        if len(costs) != len(model):
-            raise SpecError(f"parallelism.layer_costs_ms lists {len(costs)} costs but the model has "
-                            f"{len(model)} layers; give one cost per entry of its nn.Sequential")
-        return [c / 1000.0 for c in costs]
-    if profiled:
-        return partition.profile_layers(model, x, threads=max(1, int(spec.resources.cpus_per_worker)))
-    return [0.0] * len(model)
+def _bytes(shape: tuple, dtype) -> int:
+    import torch
+
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()

@@ -28,7 +28,7 @@ from service.spec import JobSpec
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
-                 store_url: Optional[str] = None, detached: bool = False, preflight: bool = False):
+                 store_url: Optional[str] = None, detached: bool = False):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -38,7 +38,7 @@ class JobScheduler:
         self.keeper = StateKeeper(self.group, checkpoint_root, resume, timeout)
         save = self._save_model if (self.record.sink and detached) else None
         self.controller = JobController(job_id, self.spec, search, self.record, self.group, self.keeper,
-                                        run_preflight=preflight, save_model=save)
+                                        save_model=save)
 
     def __repr__(self) -> str:
         return f"relaytrain:{self.job_id}:scheduler"

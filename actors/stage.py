@@ -36,6 +36,8 @@ class Transport(Protocol):
     def begin_step(self, step: int, expected: list) -> None: ...
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None: ...
     def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor: ...
+    def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None: ...
+    def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor: ...
     def finish_step(self) -> None: ...
     def drop(self) -> None: ...
 
@@ -113,9 +115,9 @@ class StepRunner:
     """Runs a cell's actions for one step; built anew whenever the worker's wiring changes."""
 
     def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
-                 loss_fn: Optional[Callable], scale: float):
+                 loss_fn: Optional[Callable], scale: float, ties=None):
         self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
-        self.loss_fn, self.scale = loss_fn, scale
+        self.loss_fn, self.scale, self.ties = loss_fn, scale, ties  # ties: actors/ties.TiedGrads
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
         c, tr, reduce = self.cell, self.tr, self.reduce
@@ -136,6 +138,9 @@ class StepRunner:
         if reduce is not None:
             with talking_to_peers(f"summing the gradients of step {step + 1} with the stage's replicas"):
                 reduce.finish()
+        if self.ties:
+            with talking_to_peers(f"summing the gradients of tied parameters of step {step + 1} with other stages"):
+                self.ties.finish(step, tr)
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-KINDS = {"act": 0, "grad": 1}
+KINDS = {"act": 0, "grad": 1, "tie": 2}  # "tie": a tied parameter's gradient, between any two stages
 RECV_AHEAD = 2  # receives kept posted ahead of the one being waited for
 INLINE_PART = 96 * 1024    # Ray inlines call arguments up to 100 KiB serialized (max_direct_call_object_size)
 INLINE_MAX = 384 * 1024    # above this, one object-store object costs less than many inline parts (measured)
@@ -62,8 +62,10 @@ class Inbox:
                     raise RuntimeError(self.closed)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"waited {timeout:.0f} s for {key[1]} of microbatch {key[2]} "
-                                       f"at step {key[0] + 1}; the neighbouring stage did not send it")
+                    what = (f"the gradient of tied parameter group {key[2]}" if key[1] == "tie"
+                            else f"{key[1]} of microbatch {key[2]}")
+                    raise TimeoutError(f"waited {timeout:.0f} s for {what} at step {key[0] + 1}; "
+                                       "the other stage did not send it")
                 self._cond.wait(left)
             return self._items.pop(key)
 
@@ -98,14 +100,20 @@ class ObjectStoreTransport:
     name = "object_store"
     fixed_shapes = False  # each tensor travels with its shape
 
-    def __init__(self, inbox: Inbox, prev_actor, next_actor, device: torch.device, timeout: float, gen: int = 0):
-        self.inbox, self.prev, self.next = inbox, prev_actor, next_actor
+    def __init__(self, inbox: Inbox, row: tuple, stage: int, device: torch.device, timeout: float, gen: int = 0):
+        """``row``: the actors of every stage of this worker's replica; ``stage``: its own."""
+        self.inbox, self.row, self.stage = inbox, row, stage
         self.device, self.timeout, self.gen = device, timeout, gen
 
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        target = self.next if kind == "act" else self.prev
+        self.send_to(self.stage + 1 if kind == "act" else self.stage - 1, step, kind, mb, tensor)
+
+    def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None:
         shape, parts = to_wire(tensor)
-        target.deliver.options(num_returns=0).remote(self.gen, step, kind, mb, shape, *parts)
+        self.row[stage].deliver.options(num_returns=0).remote(self.gen, step, kind, key, shape, *parts)
+
+    def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor:
+        return self.recv(step, kind, key, like)
 
     def begin_step(self, step: int, expected: list) -> None:
         pass
@@ -124,20 +132,33 @@ class CollectiveTransport:
     name = "collective"
     fixed_shapes = True   # receive buffers are shaped from the stage boundary's activation
 
-    def __init__(self, prev_rank: Optional[int], next_rank: Optional[int], device: torch.device):
-        self.prev_rank, self.next_rank, self.device = prev_rank, next_rank, device
+    def __init__(self, row_ranks: list[int], stage: int, device: torch.device):
+        """``row_ranks``: the process-group rank of every stage of this worker's replica."""
+        self.ranks, self.device = row_ranks, device
+        self.prev_rank = row_ranks[stage - 1] if stage > 0 else None
+        self.next_rank = row_ranks[stage + 1] if stage + 1 < len(row_ranks) else None
         self._pending: list = []
         self._expected: collections.deque = collections.deque()  # (kind, mb, (shape, dtype)) not posted yet
         self._posted: collections.deque = collections.deque()    # (kind, mb, work, buffer), in order
 
     @staticmethod
     def _tag(kind: str, mb: int) -> int:
-        return 2 * mb + KINDS[kind]
+        return len(KINDS) * mb + KINDS[kind]
 
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
         dst = self.next_rank if kind == "act" else self.prev_rank
         t = tensor.detach().contiguous()
         self._pending.append((dist.isend(t, dst=dst, tag=self._tag(kind, mb)), t))
+
+    def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None:
+        t = tensor.detach().contiguous()
+        self._pending.append((dist.isend(t, dst=self.ranks[stage], tag=self._tag(kind, key)), t))
+
+    def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor:
+        shape, dtype = like
+        buf = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(buf, src=self.ranks[stage], tag=self._tag(kind, key))
+        return buf
 
     def begin_step(self, step: int, expected: list) -> None:
         """The step's receives, in the order ``recv`` will ask for them: (kind, mb, (shape, dtype))."""

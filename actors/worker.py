@@ -37,7 +37,8 @@ from actors.stage import Cell, GradientReducer, StepRunner, Transport
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
                           optimizer_state_by_name)
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
-from service.loading import build_data, build_loss, build_model, build_optimizer
+from actors.ties import TiedGrads
+from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
 from service.sampling import step_indices
 from service.spec import JobSpec
 
@@ -82,7 +83,8 @@ class StageWorker:
         self.runner: Optional[StepRunner] = None
         self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
-        self._child_names: Optional[list[str]] = None
+        self.recipe: Optional[ModelRecipe] = None   # builds any layer of the model (user code, imported once)
+        self.bounds: list = []
         self._aborted: Optional[int] = None
 
     @property
@@ -181,7 +183,8 @@ class StageWorker:
             lo, hi = cell["bounds"][cell["pp_rank"]]
             old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
             self.layers = self._take_layers(range(lo, hi), committed, {layer_of(k) for k in incoming["model"]})
-            self.stage = nn.Sequential(OrderedDict((self._child_names[i], self.layers[i]) for i in range(lo, hi)))
+            self.stage = nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in range(lo, hi)))
+            self.bounds = [tuple(b) for b in cell["bounds"]]
             self._load_incoming(incoming["model"])
             self._new_optimizer(old_optim, incoming["optim"])
             self.applied, self.pending = committed, None
@@ -204,23 +207,25 @@ class StageWorker:
         return merge_states(parts) if parts else empty()
 
     def _take_layers(self, wanted: range, committed: int, covered: set[int]) -> dict[int, nn.Module]:
-        """The modules of layers ``wanted``: kept if held here, else built; a layer with state
-        built after step 0 must have a copy among ``covered``."""
-        layers, full = {}, None
+        """The modules of layers ``wanted``: kept if held here, else built (only these: a layer
+        list builds each layer alone); a layer with state built after step 0 must have a copy
+        among ``covered``."""
+        if self.recipe is None:
+            self.recipe = model_recipe(self.spec, self.search)
+        layers = {}
         for i in wanted:
             if i in self.layers:
                 if self.applied != committed and i not in covered and has_state(self.layers[i]):
                     raise RuntimeError(f"{self!r} holds layer {i} at step {self.applied}, not at the "
                                        f"committed step {committed}, and no copy was sent")
                 layers[i] = self.layers[i]
-                continue
-            if full is None:
-                full = self._build_model()
-            if i not in covered and committed > 0 and has_state(full[i]):
+        built = self.recipe.build([i for i in wanted if i not in layers])
+        for i, layer in built.items():
+            if i not in covered and committed > 0 and has_state(layer):
                 raise RuntimeError(f"{self!r} got no copy of layer {i} at step {committed}")
-            layers[i] = full[i].to(self.device)
-        if self._child_names is None:
-            self._build_model()
+            layers[i] = layer.to(self.device)
+        if committed == 0:
+            self.recipe.copy_tied_init(layers)  # tied copies start from the tie's first name's value
         return layers
 
     def _load_incoming(self, model: dict) -> None:
@@ -251,11 +256,6 @@ class StageWorker:
         if c.last and self.loss_fn is None:
             self.loss_fn = build_loss(self.spec, self.search)
 
-    def _build_model(self) -> nn.Sequential:
-        full = build_model(self.spec, self.search)
-        self._child_names = [n for n, _ in full.named_children()]
-        return full
-
     def rendezvous_address(self) -> tuple[str, int]:
         import ray
 
@@ -264,8 +264,9 @@ class StageWorker:
             port = s.getsockname()[1]
         return ray.util.get_node_ip_address(), port
 
-    def connect(self, transport: str, neighbours: tuple, rdzv: Optional[tuple], world: int) -> bool:
-        """Join the shape's process group (when one is needed) and set up the transport."""
+    def connect(self, transport: str, row: tuple, rdzv: Optional[tuple], world: int) -> bool:
+        """Join the shape's process group (when one is needed) and set up the transport;
+        ``row``: the actors of every stage of this worker's replica."""
         c = self.cell
         rank = c.dp_rank * c.pp + c.pp_rank
         self._leave_group()
@@ -275,13 +276,11 @@ class StageWorker:
             if c.dp > 1:
                 self.buckets = self._stage_reducer()
         if transport == "collective":
-            self.transport = CollectiveTransport(None if c.first else rank - 1, None if c.last else rank + 1,
-                                                 self.device)
+            self.transport = CollectiveTransport([c.dp_rank * c.pp + s for s in range(c.pp)], c.pp_rank, self.device)
         else:
-            prev_actor, next_actor = neighbours
-            self.transport = ObjectStoreTransport(self.inbox, prev_actor, next_actor, self.device, self.timeout,
-                                                  self.gen)
-        self.runner = StepRunner(c, self.stage, self.transport, self.buckets, self.loss_fn, self.mbs / self.B)
+            self.transport = ObjectStoreTransport(self.inbox, row, c.pp_rank, self.device, self.timeout, self.gen)
+        ties = TiedGrads(self.recipe.tied, self.stage, self.bounds, c.pp_rank)
+        self.runner = StepRunner(c, self.stage, self.transport, self.buckets, self.loss_fn, self.mbs / self.B, ties)
         return True
 
     def _stage_reducer(self) -> GradientReducer:
@@ -328,9 +327,8 @@ class StageWorker:
         idx = step_indices(step, n, self.B, self.spec.training.seed, self.spec.training.shuffle)
         m = len(c.actions) // 2
         idx = idx[c.mb0 * self.mbs:(c.mb0 + m) * self.mbs]
-        x, y = self.samples.batch(idx)
-        xs = list(x.to(self.device).split(self.mbs)) if c.first else None
-        ys = list(y.to(self.device).split(self.mbs)) if c.last else None
+        xs = list(self.samples.inputs(idx).to(self.device).split(self.mbs)) if c.first else None
+        ys = list(self.samples.targets(idx).to(self.device).split(self.mbs)) if c.last else None
         return xs, ys
 
     def run_step(self, step: int) -> dict:

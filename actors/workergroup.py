@@ -160,7 +160,7 @@ class WorkerGroup:
         p = self.spec.parallelism
         need_group = p.transport == "collective" or shape.dp > 1
         rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
-        conns = {(r, s): w.connect.remote(p.transport, (self.workers.get((r, s - 1)), self.workers.get((r, s + 1))),
+        conns = {(r, s): w.connect.remote(p.transport, tuple(self.workers[(r, t)] for t in range(shape.pp)),
                                           rdzv, shape.workers)
                  for (r, s), w in self.workers.items()}
         self.gather(conns, None, self.start_timeout, phase)

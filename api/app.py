@@ -12,7 +12,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens
-from service.jobs import JobError, JobManager
+from api.jobs import JobError, JobManager
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store

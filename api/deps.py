@@ -5,7 +5,7 @@ from typing import Annotated
 
 from fastapi import Depends, HTTPException, Request
 
-from service.jobs import JobManager
+from api.jobs import JobManager
 
 
 def get_manager(request: Request) -> JobManager:

@@ -20,7 +20,7 @@ import ray
 
 from actors.scheduler import JobScheduler
 from service.names import NAMESPACE
-from service.runner import _stop, scheduler_placement
+from actors.launch import scheduler_placement, stop as _stop
 from service.states import JobState
 
 

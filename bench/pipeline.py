@@ -63,7 +63,7 @@ def single_process(spec, warmup: int, threads: int = 1, microbatched: bool = Fal
 
 
 def relaytrain(spec, warmup: int) -> tuple[list[float], list[float], float]:
-    from service.runner import run_job
+    from actors.runner import run_job
 
     with tempfile.TemporaryDirectory() as out:
         rows = run_job(spec=spec, out=out, progress=False, record=False)["metrics"][warmup:]

@@ -54,7 +54,7 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> di
     import ray
     from ray.cluster_utils import Cluster
 
-    from service.runner import run_job
+    from actors.runner import run_job
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, logging_level="ERROR")

@@ -6,18 +6,20 @@ Every failure raises :class:`SpecError` with a message that says what to change.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import sys
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service import builtins
+from service import builtins, tracing
 from service.spec import JobSpec, LossSpec, SpecError
 
 
@@ -66,18 +68,189 @@ def _call_builder(fn: Callable, kwargs: dict, field: str) -> Any:
         raise SpecError(f"{field}: the builder raised {type(e).__name__}: {e}\n{traceback.format_exc()}") from None
 
 
-def build_model(spec: JobSpec, search: Sequence[str] = ()) -> nn.Sequential:
-    """``torch.manual_seed(seed); builder()``: the initial parameters, whatever the shape."""
+def layer_seed(seed: int, i: int) -> int:
+    """The seed layer ``i`` of a layer list is built under (``training.seed`` = ``seed``)."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1
+
+
+@dataclass
+class ModelRecipe:
+    """How the spec's model is built, one layer at a time where the builder allows it.
+
+    A *layer list* (the builder returns a list of zero-argument callables, or
+    ``{"layers": [...], "tied": [[name, ...], ...]}``) builds layer i alone, right after
+    ``torch.manual_seed(layer_seed(seed, i))``.  An ``nn.Sequential`` builder is built whole
+    after ``torch.manual_seed(seed)``; its parameters shared between layers are its ties.
+    ``tied`` groups names of the whole model (``"0.tok.weight"``) that are one parameter; the
+    first name's initial value is the parameter's."""
+
+    count: int
+    names: list[str]                   # each layer's name in the whole model
+    tied: list[tuple[str, ...]]
+    seed: int
+    makers: Optional[list[Callable[[], nn.Module]]] = None    # a layer list
+    whole: Optional[Callable[[], nn.Sequential]] = None      # an nn.Sequential builder, unseeded
+
+    @property
+    def per_layer(self) -> bool:
+        return self.makers is not None
+
+    def build(self, wanted: Iterable[int], device: Optional[str | torch.device] = None) -> dict[int, nn.Module]:
+        """Layers ``wanted`` at their initial values; copies of tied parameters are separate
+        tensors (each holder keeps its own, kept equal by the engine)."""
+        wanted = sorted(set(wanted))
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            if self.makers is None:
+                torch.manual_seed(self.seed)
+                full = self.whole()
+                layers = {i: full[i] for i in wanted}
+            else:
+                layers = {i: self._make(i) for i in wanted}
+        _untie(layers, self.names)
+        return layers
+
+    def _make(self, i: int) -> nn.Module:
+        torch.manual_seed(layer_seed(self.seed, i))
+        try:
+            layer = self.makers[i]()
+        except Exception as e:
+            raise SpecError(f"model.builder: layer {i} ({_label(self.makers[i])}) raised {type(e).__name__}: {e}\n"
+                            f"{traceback.format_exc()}") from None
+        if not isinstance(layer, nn.Module):
+            raise SpecError(f"model.builder: layer {i} ({_label(self.makers[i])}) returned {type(layer).__name__}, "
+                            "not a torch.nn.Module; each entry of the layer list must build one layer")
+        return layer
+
+    def assemble(self, device: Optional[str | torch.device] = None) -> nn.Sequential:
+        """The whole model in one process: ``nn.Sequential`` of every layer, each tie one
+        shared parameter (the first name's)."""
+        layers = self.build(range(self.count), device)
+        model = nn.Sequential(OrderedDict((self.names[i], layers[i]) for i in range(self.count)))
+        for group in self.tied:
+            owner = model.get_parameter(group[0])
+            for name in group[1:]:
+                parent, _, attr = name.rpartition(".")
+                setattr(model.get_submodule(parent), attr, owner)
+        return model
+
+    def copy_tied_init(self, layers: dict[int, nn.Module]) -> None:
+        """Give the tied copies held in ``layers`` the first name's initial value: built here
+        for a moment when its layer is elsewhere (the layers' seeds make it the same value)."""
+        for group in self.tied:
+            held = [n for n in group[1:] if _layer_of(n) in layers]
+            if not held:
+                continue
+            i = _layer_of(group[0])
+            source = layers[i] if i in layers else self.build([i])[i]
+            value = source.get_parameter(group[0].split(".", 1)[1])
+            with torch.no_grad():
+                for n in held:
+                    layers[_layer_of(n)].get_parameter(n.split(".", 1)[1]).copy_(value)
+
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".", 1)[0])
+
+
+def _label(fn: Callable) -> str:
+    inner = getattr(fn, "func", fn)  # a functools.partial
+    return getattr(inner, "__qualname__", None) or type(inner).__name__
+
+
+def _untie(layers: dict[int, nn.Module], names: list[str]) -> None:
+    """Give every layer its own copy of a parameter it shares with another layer (an
+    nn.Sequential builder's tie): a layer's state must not depend on which layers are beside it."""
+    seen: set[int] = set()
+    for i in sorted(layers):
+        for mod_name, mod in layers[i].named_modules():
+            for attr, prm in list(mod.named_parameters(recurse=False)):
+                if id(prm) in seen:
+                    setattr(mod, attr, nn.Parameter(prm.detach().clone(), requires_grad=prm.requires_grad))
+                else:
+                    seen.add(id(prm))
+
+
+def _sequential_ties(model: nn.Sequential) -> list[tuple[str, ...]]:
+    groups: dict[int, list[str]] = {}
+    for name, prm in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(prm), []).append(name)
+    return [tuple(g) for g in groups.values() if len({_layer_of(n) for n in g}) > 1]
+
+
+def model_recipe(spec: JobSpec, search: Sequence[str] = ()) -> ModelRecipe:
+    """Call the builder (cheap for a layer list; on the meta device for an nn.Sequential,
+    so no memory) and check what it returned."""
     m = spec.model
+    field = "model.builder" if m.builder else f"model.kind={m.kind}"
     fn = builtins.MODELS[m.kind] if m.kind else import_object(m.builder, "model.builder", search)
-    torch.manual_seed(spec.training.seed)
-    model = _call_builder(fn, m.args, "model.builder" if m.builder else f"model.kind={m.kind}")
-    if not isinstance(model, nn.Sequential):
-        raise SpecError(f"model.builder must return torch.nn.Sequential, got {type(model).__name__}; "
-                        "wrap the layers in nn.Sequential so they can be cut into pipeline stages")
-    if len(model) == 0:
-        raise SpecError("model.builder returned an empty nn.Sequential; it needs at least one layer")
-    return model
+    seed = spec.training.seed
+    with torch.device("meta"):
+        torch.manual_seed(seed)
+        out = _call_builder(fn, m.args, field)
+    if isinstance(out, nn.Sequential):
+        if len(out) == 0:
+            raise SpecError(f"{field} returned an empty nn.Sequential; it needs at least one layer")
+        names = [n for n, _ in out.named_children()]
+        if names != [str(i) for i in range(len(out))]:
+            raise SpecError(f"{field} returned an nn.Sequential with named entries ({', '.join(names[:4])}, ...); "
+                            "build it as nn.Sequential(*layers), whose entries are numbered: a layer's "
+                            "number starts its parameters' names, which is how its state finds it")
+        return ModelRecipe(len(out), names, _sequential_ties(out), seed, whole=lambda: _call_builder(fn, m.args, field))
+    tied: list = []
+    if isinstance(out, dict):
+        extra = set(out) - {"layers", "tied"}
+        if "layers" not in out or extra:
+            raise SpecError(f"{field} returned a dict with keys {sorted(out)}; a layer list with ties is "
+                            "{'layers': [callables...], 'tied': [['0.tok.weight', '5.weight'], ...]}")
+        out, tied = out["layers"], out.get("tied") or []
+    if not isinstance(out, (list, tuple)):
+        raise SpecError(f"{field} must return torch.nn.Sequential or a layer list (a list of zero-argument "
+                        f"callables, each building one layer), got {type(out).__name__}")
+    if not out:
+        raise SpecError(f"{field} returned an empty layer list; it needs at least one layer")
+    for i, make in enumerate(out):
+        if not callable(make) or isinstance(make, nn.Module):
+            what = "a module instance" if isinstance(make, nn.Module) else type(make).__name__
+            raise SpecError(f"{field}: entry {i} of the layer list is {what}, not a zero-argument callable "
+                            "that builds the layer: write functools.partial(Block, ...) or lambda: Block(...) "
+                            "so that each worker builds only its own layers")
+    rec = ModelRecipe(len(out), [str(i) for i in range(len(out))], [], seed, makers=list(out))
+    rec.tied = _check_ties(rec, tied, field)
+    return rec
+
+
+def _check_ties(rec: ModelRecipe, tied: Any, field: str) -> list[tuple[str, ...]]:
+    if not isinstance(tied, (list, tuple)) or not all(isinstance(g, (list, tuple)) for g in tied):
+        raise SpecError(f"{field}: 'tied' must be a list of groups of parameter names, such as "
+                        "[['0.tok.weight', '5.weight']]")
+    groups = [tuple(str(n) for n in g) for g in tied]
+    if not groups:
+        return []
+    metas = rec.build({_layer_of(n) for g in groups for n in g if n.split(".", 1)[0].isdigit()
+                       and _layer_of(n) < rec.count}, "meta")
+    for g in groups:
+        if len(g) < 2:
+            raise SpecError(f"{field}: the tie {list(g)} names one parameter; a tie groups two or more")
+        shapes = set()
+        for n in g:
+            head, _, rest = n.partition(".")
+            if not head.isdigit() or int(head) >= rec.count or not rest:
+                raise SpecError(f"{field}: the tie {list(g)} names {n!r}, which is not '<layer index>.<parameter>' "
+                                f"of a layer 0-{rec.count - 1}")
+            try:
+                shapes.add(tuple(metas[int(head)].get_parameter(rest).shape))
+            except AttributeError:
+                have = [k for k, _ in metas[int(head)].named_parameters()]
+                raise SpecError(f"{field}: the tie {list(g)} names {n!r}, but layer {head} has no parameter "
+                                f"{rest!r}; its parameters are {have}") from None
+        if len(shapes) > 1:
+            raise SpecError(f"{field}: the tie {list(g)} joins parameters of different shapes {sorted(shapes)}")
+    return groups
+
+
+def build_model(spec: JobSpec, search: Sequence[str] = ()) -> nn.Sequential:
+    """The whole model in one process (the reference a job equals): see :class:`ModelRecipe`."""
+    return model_recipe(spec, search).assemble()
 
 
 class Samples:
@@ -100,8 +273,25 @@ class Samples:
         return len(self.x) if self.dataset is None else len(self.dataset)
 
     def batch(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.inputs(idx), self.targets(idx)
+
+    def inputs(self, idx: torch.Tensor) -> torch.Tensor:
+        """The inputs of samples ``idx`` (the first stage reads only these)."""
         if self.dataset is None:
-            return self.x[idx], self.y[idx]
+            return self.x[idx]
+        if callable(getattr(self.dataset, "inputs", None)):  # reads inputs alone (data.kind: tokens)
+            return self.dataset.inputs(idx)
+        return self._pairs(idx)[0]
+
+    def targets(self, idx: torch.Tensor) -> torch.Tensor:
+        """The targets of samples ``idx`` (the last stage reads only these)."""
+        if self.dataset is None:
+            return self.y[idx]
+        if callable(getattr(self.dataset, "targets", None)):
+            return self.dataset.targets(idx)
+        return self._pairs(idx)[1]
+
+    def _pairs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
 
         x, y = default_collate([self.dataset[int(i)] for i in idx])
@@ -112,7 +302,8 @@ def build_data(spec: JobSpec, search: Sequence[str] = ()) -> Samples:
     d = spec.data
     fn = builtins.DATA[d.kind] if d.kind else import_object(d.builder, "data.builder", search)
     field = "data.builder" if d.builder else f"data.kind={d.kind}"
-    samples = Samples(_call_builder(fn, d.args, field), field)
+    args = {**d.args, "search": list(search)} if d.kind == "tokens" else d.args  # a relative path: the spec's folder
+    samples = Samples(_call_builder(fn, args, field), field)
     n, b = len(samples), spec.training.global_batch_size
     if n < b:
         raise SpecError(f"{field} gave {n} samples, fewer than training.global_batch_size ({b}); "
@@ -159,7 +350,7 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
 
 @dataclass
 class Loaded:
-    """Everything a process needs to train the spec's model."""
+    """Everything one process needs to train the spec's whole model (the reference loop)."""
 
     spec: JobSpec
     model: nn.Sequential
@@ -171,21 +362,20 @@ def load_job(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
     return Loaded(spec, build_model(spec, search), build_data(spec, search), build_loss(spec, search))
 
 
-def check_structure(spec: JobSpec, search: Sequence[str] = ()) -> nn.Sequential:
-    """The checks that need no data and no memory: the model is built on the meta device
-    (no parameter storage), its layer count checked against pp and the partition, and the
-    optimizer's arguments tried on a stand-in parameter."""
-    with torch.device("meta"):
-        model = build_model(spec, search)
-    _check_model(spec, model)
-    return model
+def check_structure(spec: JobSpec, search: Sequence[str] = ()) -> ModelRecipe:
+    """The checks that need no data and no memory: what the builder returns (a layer list is
+    not built; an nn.Sequential is built on the meta device), the layer count against pp and
+    the partition, and the optimizer's arguments on a stand-in parameter."""
+    rec = model_recipe(spec, search)
+    _check_model(spec, rec.count)
+    return rec
 
 
-def _check_model(spec: JobSpec, model: nn.Sequential) -> None:
-    layers, pp = len(model), spec.parallelism.pp
+def _check_model(spec: JobSpec, layers: int) -> None:
+    pp = spec.parallelism.pp
     if pp > layers:
         raise SpecError(f"parallelism.pp is {pp} but the model has only {layers} layers (entries of its "
-                        f"nn.Sequential); use pp <= {layers} or split the model into more layers")
+                        f"nn.Sequential or layer list); use pp <= {layers} or split the model into more layers")
     part = spec.parallelism.partition
     if isinstance(part, list) and sum(part) != layers:
         raise SpecError(f"parallelism.partition {part} covers {sum(part)} layers but the model has {layers}; "
@@ -193,37 +383,30 @@ def _check_model(spec: JobSpec, model: nn.Sequential) -> None:
     costs = spec.parallelism.layer_costs_ms
     if costs is not None and len(costs) != layers:
         raise SpecError(f"parallelism.layer_costs_ms lists {len(costs)} costs but the model has {layers} layers; "
-                        "give one cost per entry of its nn.Sequential")
+                        "give one cost per entry of its nn.Sequential or layer list")
     build_optimizer(spec, [nn.Parameter(torch.zeros(1))])
 
 
-def preflight(spec: JobSpec, search: Sequence[str] = ()) -> Loaded:
-    """Check that the spec can work before any actor starts: imports, builder return
-    types, layer count against pp, optimizer arguments, and one microbatch through the
-    model and the loss."""
-    job = load_job(spec, search)
-    _check_model(spec, job.model)
+def first_microbatch(spec: JobSpec, samples: Samples) -> tuple[torch.Tensor, torch.Tensor]:
     from service.sampling import step_indices
 
-    idx = step_indices(0, len(job.samples), spec.training.global_batch_size, spec.training.seed,
-                       spec.training.shuffle)[: spec.training.microbatch_size]
+    t = spec.training
+    idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
     try:
-        x, y = job.samples.batch(idx)
+        return samples.batch(idx)
     except Exception as e:
         raise SpecError(f"data: reading a microbatch failed with {type(e).__name__}: {e}") from None
-    try:
-        out = job.model(x)
-    except Exception as e:
-        raise SpecError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, "
-                        f"dtype {x.dtype}): {type(e).__name__}: {e}") from None
-    try:
-        loss = job.loss(out, y)
-    except Exception as e:
-        raise SpecError(f"the loss fails on the model's output (shape {tuple(out.shape)}) and the targets "
-                        f"(shape {tuple(y.shape)}): {type(e).__name__}: {e}") from None
-    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
-        raise SpecError("the loss must return a scalar tensor (the mean over the microbatch)")
-    return job
+
+
+def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
+    """Check that the spec can work before any actor starts: imports, what the builders
+    return, layer count against pp, optimizer arguments, and one microbatch through the
+    model and the loss, on the meta device (no memory; see service/tracing.py)."""
+    rec = check_structure(spec, search)
+    samples = build_data(spec, search)
+    x, y = first_microbatch(spec, samples)
+    return tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
+                         build_loss(spec, search))
 
 
 def search_dirs(spec_dir: Optional[str]) -> list[str]:

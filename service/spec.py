@@ -20,8 +20,8 @@ LOSSES = ("cross_entropy", "mse")
 # Kubernetes worker groups in k8s/raycluster.yaml scale between the same bounds.
 ELASTIC_MIN_WORKERS = 1
 ELASTIC_MAX_WORKERS = 16
-MODEL_KINDS = ("mlp", "cnn", "regression_mlp", "char_transformer")
-DATA_KINDS = ("digits", "digits_images", "regression", "chars")
+MODEL_KINDS = ("mlp", "cnn", "regression_mlp", "char_transformer", "gpt")
+DATA_KINDS = ("digits", "digits_images", "regression", "chars", "tokens")
 
 
 class _Strict(BaseModel):
@@ -57,17 +57,18 @@ class _Source(_Strict):
 class ModelSpec(_Source):
     _what, _kinds = "model", MODEL_KINDS
     builder: Optional[str] = Field(
-        None, description="'module:function' returning a torch.nn.Sequential; imported from the spec's folder")
-    kind: Optional[Literal["mlp", "cnn", "regression_mlp", "char_transformer"]] = Field(
-        None, description="a built-in model instead of a builder")
+        None, description="'module:function' returning a torch.nn.Sequential or a layer list (zero-argument "
+                          "callables, each building one layer); imported from the spec's folder")
+    kind: Optional[Literal["mlp", "cnn", "regression_mlp", "char_transformer", "gpt"]] = Field(
+        None, description="a built-in model instead of a builder ('gpt': a layer list; see the README)")
 
 
 class DataSpec(_Source):
     _what, _kinds = "data", DATA_KINDS
     builder: Optional[str] = Field(
         None, description="'module:function' returning (X, Y) tensors or a map-style Dataset of (x, y)")
-    kind: Optional[Literal["digits", "digits_images", "regression", "chars"]] = Field(
-        None, description="a built-in data set instead of a builder")
+    kind: Optional[Literal["digits", "digits_images", "regression", "chars", "tokens"]] = Field(
+        None, description="a built-in data set instead of a builder ('tokens': args path, seq_len, dtype)")
 
 
 class LossSpec(_Strict):

@@ -16,6 +16,7 @@ import httpx
 import pytest
 import torch
 
+from service.names import NAMESPACE, placement_group_name, scheduler_name
 from service.spec import load_spec, parse_spec
 from tests import reference
 from tests.conftest import FIXTURES
@@ -42,7 +43,7 @@ class Server:
 
     def start(self):
         self.log = open(os.path.join(self.home, f"server-{time.time():.0f}.log"), "w")
-        self.proc = subprocess.Popen([sys.executable, "-m", "service.cli", "serve", "--port", str(self.port),
+        self.proc = subprocess.Popen([sys.executable, "-m", "api.cli", "serve", "--port", str(self.port),
                                      "--ray-address", self.address], env=self.env, stdout=self.log,
                                     stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -102,7 +103,7 @@ def wait_state(client, job_id, states, timeout=120):
 
 def cli(server, *args, token=ALICE):
     env = {**os.environ, "RELAYTRAIN_TOKEN": token, "RELAYTRAIN_SERVER": server.url}
-    return subprocess.run([sys.executable, "-m", "service.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, capture_output=True, text=True,
                           timeout=240)
 
 
@@ -198,10 +199,10 @@ def test_job_whose_actor_is_gone_is_marked_failed(server, ray_session):
     with server.client() as c:
         job = c.post("/v1/jobs", json=small_spec("orphan", steps=100000)).json()
         wait_state(c, job["id"], {"RUNNING"})
-        pg_name = f"relaytrain:{job['id']}:workers"
+        pg_name = placement_group_name(job["id"])
         assert any(pg.get("name") == pg_name and pg.get("state") == "CREATED"
                    for pg in ray_session.util.placement_group_table().values())
-        ray_session.kill(ray_session.get_actor(f"relaytrain:{job['id']}:scheduler", namespace="relaytrain"))
+        ray_session.kill(ray_session.get_actor(scheduler_name(job["id"]), namespace=NAMESPACE))
         failed = wait_state(c, job["id"], {"FAILED"}, timeout=30)
         assert "scheduler actor is gone" in failed["error"]
     # its worker slots are given back (the placement group was detached, so the server frees it)
@@ -333,7 +334,7 @@ def test_model_before_success_is_409_and_metrics_endpoint(server):
 def test_serve_refuses_public_bind_without_tokens(tmp_path):
     env = {**os.environ, "RELAYTRAIN_HOME": str(tmp_path)}
     env.pop("RELAYTRAIN_API_TOKENS", None)
-    p = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--host", "0.0.0.0"], env=env,
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--host", "0.0.0.0"], env=env,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert "refusing to listen on 0.0.0.0 without API tokens" in p.stderr
@@ -369,7 +370,7 @@ def test_cli_on_a_failing_job(server):
 
 def test_serve_with_an_unreachable_store_says_so_without_the_password(tmp_path):
     env = {**os.environ, "RELAYTRAIN_HOME": str(tmp_path)}
-    p = subprocess.run([sys.executable, "-m", "service.cli", "serve", "--db", "postgresql://u:s3cret@127.0.0.1:1/db"],
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--db", "postgresql://u:s3cret@127.0.0.1:1/db"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode == 2
     assert p.stderr.startswith("relaytrain serve: cannot open the job store at postgresql://u:***@127.0.0.1:1/db")

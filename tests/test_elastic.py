@@ -16,7 +16,7 @@ import time
 import pytest
 
 from service import names
-from service.runner import JobFailed, run_job
+from actors.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
 from tests.conftest import FIXTURES

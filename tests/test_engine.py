@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from service.runner import run_job
+from actors.runner import run_job
 from service.spec import load_spec, parse_spec
 from tests import reference
 from tests.conftest import FIXTURES

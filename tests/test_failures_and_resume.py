@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from service import checkpoint
-from service.runner import JobFailed, run_job
+from actors.runner import JobFailed, run_job
 from service.spec import SpecError, parse_spec
 from tests import reference
 from tests.conftest import FIXTURES
@@ -138,7 +138,7 @@ def test_cli_run_end_to_end(ray_session, tmp_path):
         "training: {global_batch_size: 32, microbatch_size: 8, steps: 6}\nparallelism: {pp: 2}\n")
     address = ray_session.get_runtime_context().gcs_address
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(out),
+    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out),
                         "--ray-address", address], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert "SUCCEEDED: 6 steps" in p.stdout
@@ -160,7 +160,7 @@ def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores(tmp_path):
         "training: {global_batch_size: 32, microbatch_size: 8, steps: 3}\n"
         "parallelism: {dp: 2, pp: 2, transport: collective}\n")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(out),
+    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out),
                         "--local-cpus", "4", "--no-progress"], capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert "SUCCEEDED: 3 steps" in p.stdout
@@ -171,7 +171,7 @@ def test_cli_run_bad_spec_says_one_sentence(tmp_path):
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("name: bad\nmodel: {kind: mlp}\ndata: {kind: digits}\n"
                          "training: {global_batch_size: 30, microbatch_size: 8, steps: 6}\n")
-    p = subprocess.run([sys.executable, "-m", "service.cli", "run", str(spec_file), "--out", str(tmp_path / "o")],
+    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(tmp_path / "o")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr.strip().splitlines() == [
@@ -197,7 +197,7 @@ def test_run_is_recorded_in_the_embedded_store(ray_session, tmp_path):
 
 
 def test_fit_check_uses_the_autoscaling_ceiling(ray_session):
-    from service.runner import check_fits
+    from actors.launch import check_fits
 
     spec = parse_spec({"name": "big", "model": {"kind": "mlp"}, "data": {"kind": "digits"},
                        "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": 1},
@@ -210,7 +210,7 @@ def test_fit_check_uses_the_autoscaling_ceiling(ray_session):
 
 
 def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_path):
-    from service.runner import _Outputs
+    from actors.runner import _Outputs
 
     def run(append, steps):
         o = _Outputs(tmp_path, append=append)

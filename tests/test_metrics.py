@@ -80,15 +80,13 @@ def test_ray_exports_the_job_metrics_tagged_by_job(ray_session):
     needs a multi-node cluster: tests/test_elastic.py).  Both are read back from the node's
     metrics export, the endpoint Prometheus scrapes."""
     ray = ray_session
-    from actors.scheduler import JobScheduler
-    from service.names import NAMESPACE
+    from actors.launch import start_scheduler
     from tests.test_api import small_spec
 
     port = ray._private.worker.global_worker.node.metrics_export_port
     job_id, probe_job = f"metrics-{uuid.uuid4().hex[:8]}", f"probe-{uuid.uuid4().hex[:8]}"
     spec = small_spec("metrics", steps=100000, parallelism={"dp": 1, "pp": 1})
-    sched = ray.remote(JobScheduler).options(name=f"relaytrain:{job_id}:scheduler", namespace=NAMESPACE,
-                                             num_cpus=0, max_concurrency=4).remote(job_id, spec, [])
+    sched = start_scheduler(job_id, spec, [])
     done = sched.run.remote()
 
     @ray.remote(num_cpus=0)

@@ -4,7 +4,7 @@ from fractions import Fraction
 import pytest
 
 from service import schedules as S
-from service.cli import main
+from api.cli import main
 
 
 def test_gpipe_plan_as_text():

@@ -3,8 +3,9 @@ import copy
 import os
 
 import pytest
+import torch
 
-from service.loading import preflight
+from service.loading import load_job, preflight
 from service.spec import SpecError, load_spec, parse_spec
 from tests.conftest import FIXTURES
 
@@ -85,7 +86,7 @@ def test_malformed_import_path():
 def test_builder_not_sequential():
     s = parse_spec(spec_with(model={"builder": "userpkg.models:not_sequential"},
                              data={"builder": "userpkg.data:build"}))
-    with pytest.raises(SpecError, match="must return torch.nn.Sequential, got Linear"):
+    with pytest.raises(SpecError, match="must return torch.nn.Sequential or a layer list .*, got Linear"):
         preflight(s, [FIXTURES])
 
 
@@ -123,8 +124,8 @@ def test_spec_file_errors(tmp_path):
 def test_user_spec_file_loads_and_preflights():
     path = os.path.join(FIXTURES, "user_job.yaml")
     s = load_spec(path)
-    job = preflight(s, [FIXTURES])
-    assert len(job.samples) == 96 and len(job.model) == 5
+    t = preflight(s, [FIXTURES])  # traced on the meta device: no parameter memory
+    assert len(t.metas) == 5 and t.on_meta and t.metas[-1] == ((8, 3), torch.float32)
 
 
 @pytest.mark.parametrize("model, data, loss", [
@@ -132,16 +133,18 @@ def test_user_spec_file_loads_and_preflights():
     ({"kind": "cnn"}, {"kind": "digits_images"}, "cross_entropy"),
     ({"kind": "regression_mlp"}, {"kind": "regression"}, "mse"),
     ({"kind": "char_transformer"}, {"kind": "chars"}, "cross_entropy"),
+    ({"kind": "gpt"}, {"kind": "chars"}, "cross_entropy"),
 ])
 def test_builtins_fit_together(model, data, loss):
-    job = preflight(parse_spec(spec_with(model=model, data=data, loss=loss, parallelism__pp=2)))
-    assert len(job.model) >= 2 and len(job.samples) >= 32
+    t = preflight(parse_spec(spec_with(model=model, data=data, loss=loss, parallelism__pp=2)))
+    assert len(t.metas) >= 2 and t.on_meta
 
 
 def test_loss_builder_from_user_code():
     s = parse_spec(spec_with(model={"builder": "userpkg.models:build"}, data={"builder": "userpkg.data:build"},
                              loss={"builder": "userpkg.models:smooth_l1"}))
-    job = preflight(s, [FIXTURES])
+    preflight(s, [FIXTURES])
+    job = load_job(s, [FIXTURES])
     out = job.model(job.samples.x[:4])
     assert job.loss(out, job.samples.y[:4]).dim() == 0
 

@@ -12,6 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from service.datasets import tokens
+
 # ---------------------------------------------------------------- models
 
 
@@ -110,7 +112,10 @@ def char_transformer(vocab: int = 96, dim: int = 64, heads: int = 4, layers: int
     )
 
 
-MODELS = {"mlp": mlp, "cnn": cnn, "regression_mlp": regression_mlp, "char_transformer": char_transformer}
+from service.builtins import gpt as _gpt  # noqa: E402  (a layer list; keeps service.builtins.gpt the module)
+
+MODELS = {"mlp": mlp, "cnn": cnn, "regression_mlp": regression_mlp, "char_transformer": char_transformer,
+          "gpt": _gpt.gpt}
 
 # ---------------------------------------------------------------- data
 
@@ -152,4 +157,5 @@ def chars(context: int = 32, stride: int = 8, vocab: int = 96) -> tuple[torch.Te
     return x, y
 
 
-DATA = {"digits": digits, "digits_images": digits_images, "regression": regression, "chars": chars}
+DATA = {"digits": digits, "digits_images": digits_images, "regression": regression, "chars": chars,
+        "tokens": tokens}

@@ -14,16 +14,16 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
+from actors import launch
 from service import logtext, packages, rayconnect
 from service.loading import check_structure
-from service.runner import check_fits, scheduler_placement
+from service.names import NAMESPACE
 from service.settings import Settings
 from service.spec import JobSpec, SpecError
 from service.states import JobState
 from service.store import Store
 
 log = logging.getLogger("relaytrain.jobs")
-NAMESPACE = "relaytrain"
 
 
 class JobError(Exception):
@@ -67,28 +67,12 @@ def start_local_ray(cpus: Optional[int]) -> None:
         raise RuntimeError(f"could not start a local Ray ({' '.join(cmd)}): {p.stderr.strip()[-500:]}")
 
 
-def release_placement_group(job_id: str) -> None:
-    """Free the worker slots of a job whose scheduler died without cleaning up (its placement
-    group is detached, so nothing else would)."""
-    import ray
-
-    from service.names import placement_group_name
-
-    try:
-        ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
-    except Exception:
-        pass  # none was made, or it is gone already
-
-
-def scheduler_name(job_id: str) -> str:
-    return f"relaytrain:{job_id}:scheduler"
-
-
 class JobManager:
     def __init__(self, settings: Settings, store: Store):
         self.settings, self.store = settings, store
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
+        self._starting: set[str] = set()  # jobs whose scheduler actor is being created
 
     # ---------------------------------------------------------------- Ray
 
@@ -147,7 +131,7 @@ class JobManager:
             except SpecError as e:
                 raise Invalid(str(e)) from None
         try:
-            check_fits(spec, self.settings.cluster_max_cpus, self.settings.cluster_max_gpus)
+            launch.check_fits(spec, self.settings.cluster_max_cpus, self.settings.cluster_max_gpus)
         except SpecError as e:
             raise Invalid(str(e)) from None
         if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
@@ -162,27 +146,22 @@ class JobManager:
         return job, created
 
     def _launch(self, job: dict) -> None:
-        import ray
-
-        from actors.scheduler import JobScheduler
-
         spec = JobSpec.model_validate(job["spec"])
         env = dict(spec.runtime_env)
+        self._starting.add(job["id"])  # until its actor is up (see reconcile)
         try:
             if env.get("working_dir"):
                 packages.ensure_in_cluster(env["working_dir"], self.settings.packages_dir)
             ckpt = Path(spec.checkpoint.path)
             if not ckpt.is_absolute():
                 ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
-            actor = ray.remote(JobScheduler).options(
-                name=scheduler_name(job["id"]), namespace=NAMESPACE, lifetime="detached", num_cpus=0,
-                max_concurrency=4, runtime_env=env or None, **scheduler_placement(),
-            ).remote(job["id"], job["spec"], [],
-                     checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
-                     start_timeout=self.settings.start_timeout_s, store_url=self.store.url,
-                     detached=True, preflight=True)
+            actor = launch.start_scheduler(
+                job["id"], job["spec"], [], runtime_env=env, detached=True,
+                checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
+                start_timeout=self.settings.start_timeout_s, store_url=self.store.url)
             ref = actor.start.remote()
         except Exception as e:
+            self._starting.discard(job["id"])
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
             return
         threading.Thread(target=self._watch_start, args=(job["id"], ref), daemon=True).start()
@@ -195,6 +174,8 @@ class JobManager:
         except Exception as e:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             self._fail(job_id, f"the job's scheduler did not start: {reason}")
+        finally:
+            self._starting.discard(job_id)
 
     def _fail(self, job_id: str, reason: str) -> None:
         if self.store.set_state(job_id, JobState.FAILED, error=reason):
@@ -214,17 +195,14 @@ class JobManager:
         job = self.get(tenant, job_id)
         if JobState(job["state"]).is_terminal:
             raise Conflict(f"job {job_id} already ended {job['state']}; only active jobs can be cancelled")
-        try:
-            actor = ray.get_actor(scheduler_name(job_id), namespace=NAMESPACE)
-        except ValueError:
-            actor = None
+        actor = launch.find_scheduler(job_id)
         if actor is not None:
             try:
                 ray.get(actor.cancel.remote(), timeout=5)
             except Exception:
                 actor = None
         if actor is None:
-            release_placement_group(job_id)
+            launch.release_placement_group(job_id)
             if self.store.set_state(job_id, JobState.CANCELLED):
                 self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled before it ran"}])
             return self.get(tenant, job_id)
@@ -262,22 +240,18 @@ class JobManager:
 
     def reconcile(self) -> int:
         """Mark FAILED each active job whose scheduler actor is gone; returns how many."""
-        import ray
-
         active = [s.value for s in JobState if not s.is_terminal]
         jobs, _ = self.store.list_jobs(states=active, limit=10000)
         lost = 0
         for job in jobs:
-            if time.time() - job["created_at"] < 5:
-                continue  # just submitted: its actor may still be registering
-            try:
-                ray.get_actor(scheduler_name(job["id"]), namespace=NAMESPACE)
-            except ValueError:
+            if job["id"] in self._starting or time.time() - job["created_at"] < 5:
+                continue  # its actor is still being created (over ray:// the import alone takes seconds)
+            if launch.find_scheduler(job["id"]) is None:
                 fresh = self.store.get_job(job["id"])
                 if fresh and not JobState(fresh["state"]).is_terminal:
                     self._fail(job["id"], "the job's scheduler actor is gone (the Ray cluster restarted or lost "
                                           "its node); the job can not go on")
-                    release_placement_group(job["id"])
+                    launch.release_placement_group(job["id"])
                     lost += 1
         return lost
 

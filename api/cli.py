@@ -20,7 +20,7 @@ def _schedule(args) -> int:
 
 
 def _run(args) -> int:
-    from service.runner import JobFailed, run_job
+    from actors.runner import JobFailed, run_job
     from service.spec import SpecError
 
     try:
@@ -61,6 +61,14 @@ def _serve(args) -> int:
               "RELAYTRAIN_API_TOKENS='tenant:token,...' (or RELAYTRAIN_TOKENS_FILE), or bind to 127.0.0.1",
               file=sys.stderr)
         return 2
+    if settings.ray_address and settings.ray_address.startswith("ray://"):
+        from service.rayconnect import RayConnectError, check_client
+
+        try:
+            check_client(settings.ray_address)  # a refusal as one line, before the server starts
+        except RayConnectError as e:
+            print(f"relaytrain serve: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from api.app import create_app

@@ -12,14 +12,13 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Optional
+from typing import Optional
 
-from service import checkpoint, rayconnect
+from actors import launch
+from service import checkpoint
 from service.loading import preflight, search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
-
-RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
 
 
 class JobFailed(RuntimeError):
@@ -28,77 +27,6 @@ class JobFailed(RuntimeError):
     def __init__(self, message: str, detail: str = "", result: Optional[dict] = None):
         super().__init__(message)
         self.detail, self.result = detail, result
-
-
-def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
-    """The spec's runtime_env; when the spec imports user code and names no working_dir,
-    its folder is shipped as the working_dir."""
-    env = dict(spec.runtime_env)
-    if spec.uses_imports and spec_dir and "working_dir" not in env:
-        env["working_dir"] = str(Path(spec_dir).resolve())
-        env["excludes"] = list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
-    return env
-
-
-def upload_runtime_env(env: dict) -> dict:
-    """Upload local ``working_dir``/``py_modules`` folders to the cluster and name them by
-    URI: Ray accepts local folders only in ``ray.init``, not on a single actor."""
-    import tempfile
-
-    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
-    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
-
-    env = dict(env)
-    scratch = tempfile.mkdtemp(prefix="relaytrain-pkg-")
-    env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-    env.pop("excludes", None)
-    return env
-
-
-def _connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bool:
-    """Connect to Ray; returns True when this call started (and so must stop) it."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
-    if ray_address:
-        rayconnect.init(ray_address, **kwargs)  # a ray:// address: Ray's token, and a refusal explained
-        return True
-    # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
-    ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
-    return True
-
-
-def scheduler_placement() -> dict:
-    """Actor options that keep a job's scheduler on the head node: it holds the off-node
-    copy of the workers' state, so it must not share a worker node's fate (a 0-CPU head is
-    not reached by soft node affinity, hence the head's own resource)."""
-    return {"resources": {"node:__internal_head__": 0.001}}
-
-
-def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:
-    """Refuse a job that this cluster can never hold: against its resources now, or against
-    the ceiling an autoscaler can grow it to (``max_cpus``/``max_gpus``) when given."""
-    import ray
-
-    res = dict(ray.cluster_resources())
-    if max_cpus is not None:
-        res["CPU"] = max(res.get("CPU", 0), max_cpus)
-    if max_gpus is not None:
-        res["GPU"] = max(res.get("GPU", 0), max_gpus)
-    # an elastic job starts as soon as its smallest shape fits
-    workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
-    need_cpu = workers * spec.resources.cpus_per_worker
-    if need_cpu > res.get("CPU", 0):
-        raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "
-                        f"{spec.resources.cpus_per_worker:g}) but the cluster has {res.get('CPU', 0):g}; "
-                        "lower parallelism.dp x parallelism.pp or resources.cpus_per_worker, or add nodes")
-    gpus = spec.resources.gpus_per_worker or 0
-    if gpus and workers * gpus > res.get("GPU", 0):
-        raise SpecError(f"the job needs {workers * gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}; "
-                        "lower resources.gpus_per_worker or dp x pp")
 
 
 class _Outputs:
@@ -148,22 +76,18 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
     import ray
 
-    from actors.scheduler import JobScheduler
-    from service.names import NAMESPACE, scheduler_name
-
-    started_ray = _connect(ray_address, local_cpus)
+    started_ray = launch.connect(ray_address, local_cpus)
     outputs = _Outputs(Path(out), append=resume_path is not None)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None
     sched = None
     try:
-        check_fits(spec)
-        sched = ray.remote(JobScheduler).options(
-            name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-            **scheduler_placement(),
-            runtime_env=upload_runtime_env(job_runtime_env(spec, spec_dir)),
-        ).remote(job_id, spec.model_dump(mode="json"), search, ckpt_root, resume_path, timeout,
-                 store_url=store.url if store else None)
+        launch.check_fits(spec)
+        sched = launch.start_scheduler(
+            job_id, spec.model_dump(mode="json"), search,
+            runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
+            checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
+            store_url=store.url if store else None)
         done_ref = sched.run.remote()
         final = _follow(sched, done_ref, outputs, spec, progress)
         if final["state"] != JobState.SUCCEEDED.value:
@@ -182,7 +106,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     finally:
         outputs.close()
         if sched is not None:
-            _stop(sched, job_id)
+            launch.stop(sched, job_id)
         if started_ray:
             ray.shutdown()
 
@@ -201,33 +125,6 @@ def _record_in_store(job_id: str, spec: JobSpec):
     except Exception as e:
         print(f"relaytrain: warning: not recording the job in the job store: {e}", file=sys.stderr)
         return None
-
-
-def _stop(sched, job_id: str, grace: float = 10.0) -> None:
-    """Stop the job's actors: ask the scheduler to stop at the next step boundary (it then
-    releases its workers and their placement group), and kill whatever is left."""
-    import ray
-
-    from service.names import placement_group_name
-
-    try:
-        if ray.get(sched.poll.remote(), timeout=5)["state"] not in ("SUCCEEDED", "FAILED", "CANCELLED"):
-            ray.get(sched.cancel.remote(), timeout=5)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                if ray.get(sched.poll.remote(), timeout=5)["state"] in ("FAILED", "CANCELLED", "SUCCEEDED"):
-                    break
-                time.sleep(0.2)
-    except Exception:
-        pass
-    try:
-        ray.kill(sched)  # its workers are owned by it and die with it
-    except Exception:
-        pass
-    try:
-        ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
-    except Exception:
-        pass
 
 
 def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -> dict:

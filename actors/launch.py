@@ -1,0 +1,133 @@
+"""Starting, finding and stopping a job's scheduler actor: what ``relaytrain run``
+(actors/runner.py) and the control plane (api/jobs.py) share."""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import ray
+
+from service import rayconnect
+from service.names import NAMESPACE, placement_group_name, scheduler_name
+from service.spec import JobSpec, SpecError
+
+RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
+TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
+
+
+def connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> bool:
+    """Connect to Ray; returns True when this call started (and so must stop) it."""
+    if ray.is_initialized():
+        return False
+    kwargs: dict[str, Any] = {"logging_level": "WARNING", "log_to_driver": True}
+    if ray_address:
+        rayconnect.init(ray_address, **kwargs)  # a ray:// address: Ray's token, and a refusal explained
+        return True
+    # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
+    ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
+    return True
+
+
+def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
+    """The spec's runtime_env; when the spec imports user code and names no working_dir,
+    its folder is shipped as the working_dir."""
+    env = dict(spec.runtime_env)
+    if spec.uses_imports and spec_dir and "working_dir" not in env:
+        env["working_dir"] = str(Path(spec_dir).resolve())
+        env["excludes"] = list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
+    return env
+
+
+def upload_runtime_env(env: dict) -> dict:
+    """Upload local ``working_dir``/``py_modules`` folders to the cluster and name them by
+    URI: Ray accepts local folders only in ``ray.init``, not on a single actor."""
+    from ray._private.runtime_env.py_modules import upload_py_modules_if_needed
+    from ray._private.runtime_env.working_dir import upload_working_dir_if_needed
+
+    env = dict(env)
+    scratch = tempfile.mkdtemp(prefix="relaytrain-pkg-")
+    env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    env.pop("excludes", None)
+    return env
+
+
+def scheduler_placement() -> dict:
+    """Actor options that keep a job's scheduler on the head node: it holds the off-node
+    copy of the workers' state, so it must not share a worker node's fate (a 0-CPU head is
+    not reached by soft node affinity, hence the head's own resource)."""
+    return {"resources": {"node:__internal_head__": 0.001}}
+
+
+def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:
+    """Refuse a job that this cluster can never hold: against its resources now, or against
+    the ceiling an autoscaler can grow it to (``max_cpus``/``max_gpus``) when given."""
+    res = dict(ray.cluster_resources())
+    if max_cpus is not None:
+        res["CPU"] = max(res.get("CPU", 0), max_cpus)
+    if max_gpus is not None:
+        res["GPU"] = max(res.get("GPU", 0), max_gpus)
+    # an elastic job starts as soon as its smallest shape fits
+    workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
+    need_cpu = workers * spec.resources.cpus_per_worker
+    if need_cpu > res.get("CPU", 0):
+        raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "
+                        f"{spec.resources.cpus_per_worker:g}) but the cluster has {res.get('CPU', 0):g}; "
+                        "lower parallelism.dp x parallelism.pp or resources.cpus_per_worker, or add nodes")
+    gpus = spec.resources.gpus_per_worker or 0
+    if gpus and workers * gpus > res.get("GPU", 0):
+        raise SpecError(f"the job needs {workers * gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}; "
+                        "lower resources.gpus_per_worker or dp x pp")
+
+
+def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: Optional[dict] = None,
+                    detached: bool = False, **kwargs):
+    """Create the job's named scheduler actor on the head node; ``kwargs`` go to
+    ``JobScheduler`` (checkpoint_root, resume, timeout, start_timeout, store_url, preflight)."""
+    from actors.scheduler import JobScheduler
+
+    options: dict[str, Any] = {"lifetime": "detached"} if detached else {}
+    return ray.remote(JobScheduler).options(
+        name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
+        runtime_env=runtime_env or None, **scheduler_placement(), **options,
+    ).remote(job_id, spec, search, detached=detached, **kwargs)
+
+
+def find_scheduler(job_id: str):
+    """The job's scheduler actor, or None when there is none."""
+    try:
+        return ray.get_actor(scheduler_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def release_placement_group(job_id: str) -> None:
+    """Free the worker slots of a job whose scheduler died without cleaning up (its placement
+    group is detached, so nothing else would)."""
+    try:
+        ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
+    except Exception:
+        pass  # none was made, or it is gone already
+
+
+def stop(sched, job_id: str, grace: float = 10.0) -> None:
+    """Stop the job's actors: ask the scheduler to stop at the next step boundary (it then
+    releases its workers and their placement group), and kill whatever is left."""
+    import time
+
+    try:
+        if ray.get(sched.poll.remote(), timeout=5)["state"] not in TERMINAL:
+            ray.get(sched.cancel.remote(), timeout=5)
+            deadline = time.monotonic() + grace
+            while time.monotonic() < deadline:
+                if ray.get(sched.poll.remote(), timeout=5)["state"] in TERMINAL:
+                    break
+                time.sleep(0.2)
+    except Exception:
+        pass
+    try:
+        ray.kill(sched)  # its workers are owned by it and die with it
+    except Exception:
+        pass
+    release_placement_group(job_id)

@@ -1,0 +1,133 @@
+"""What the scheduler and the pre-flight check learn about a model without holding it.
+
+The model runs one microbatch on PyTorch's ``meta`` device: tensors with shapes and dtypes
+but no storage, so a model of any size costs no memory.  That gives each layer's output
+shape and dtype (the stage boundaries' activations), its parameter bytes, its forward FLOPs
+(``torch.utils.flop_counter``) and whether it has state, and checks that the model and the
+loss accept the data.  A model that cannot run on ``meta`` (an operator without a meta
+kernel, ``.item()``, data-dependent shapes) is run for real instead when its parameters are
+small (``REAL_RUN_MAX_BYTES``); a larger one is refused with the reason.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from service.spec import SpecError
+
+REAL_RUN_MAX_BYTES = 64 * 2**20  # parameters a process may build for a moment to trace a model for real
+LAYER_OVERHEAD_S = 20e-6         # a layer's fixed cost per pass (Python and operator dispatch)
+
+
+@dataclass(frozen=True)
+class Trace:
+    metas: list            # (shape, dtype) of each layer's output for one microbatch
+    flops: list[int]       # each layer's forward FLOPs for one microbatch
+    param_bytes: list[int]
+    io_bytes: list[int]    # bytes each layer reads and writes: input, output, parameters
+    stateless: frozenset   # layers with no parameters and no persistent buffers
+    on_meta: bool          # False: the model was run for real (it has no meta kernels)
+
+
+def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
+          loss: Callable) -> Trace:
+    """Run one microbatch (``x``, ``y``) through the layers ``layers_on(device)`` builds, then
+    the loss; raises :class:`SpecError` saying what failed."""
+    metas = layers_on("meta")
+    size = sum(_param_bytes(metas[i]) for i in range(count))
+    try:
+        with torch.device("meta"):  # tensors a layer makes itself (torch.arange(T)) are meta too
+            return _run(metas, count, x.to("meta"), y.to("meta"), loss, on_meta=True)
+    except _UserError as e:
+        meta_error = e
+    except Exception as e:  # a failure of the meta device itself, not of the user's code
+        meta_error = _UserError(f"{type(e).__name__}: {e}")
+    if size > REAL_RUN_MAX_BYTES:
+        raise SpecError(f"{meta_error} (traced on PyTorch's meta device: the model's {size / 2**20:.0f} MiB of "
+                        "parameters are too many to run it once for real here; if the model works, an operator "
+                        "of it has no meta kernel or its shapes depend on the data)")
+    try:
+        return _run(layers_on("cpu"), count, x, y, loss, on_meta=False)
+    except _UserError as e:
+        raise SpecError(str(e)) from None
+
+
+class _UserError(Exception):
+    pass
+
+
+def _param_bytes(layer: nn.Module) -> int:
+    return sum(q.numel() * q.element_size() for q in layer.parameters())
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
+
+
+def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
+    metas, flops, io = [], [], []
+    h = x
+    with torch.no_grad():
+        for i in range(count):
+            inp = h
+            try:
+                with FlopCounterMode(display=False) as fc:
+                    h = layers[i](h)
+            except Exception as e:
+                raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
+                                 f"{x.dtype}): layer {i} ({type(layers[i]).__name__}) raised "
+                                 f"{type(e).__name__}: {e}") from None
+            if not isinstance(h, torch.Tensor):
+                raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "
+                                 "a pipeline passes one tensor from layer to layer (return only the hidden states)")
+            metas.append((tuple(h.shape), h.dtype))
+            flops.append(int(fc.get_total_flops()))
+            io.append(_nbytes(inp) + _nbytes(h) + _param_bytes(layers[i]))
+        try:
+            value = loss(h, y)
+        except Exception as e:
+            raise _UserError(f"the loss fails on the model's output (shape {tuple(h.shape)}) and the targets "
+                             f"(shape {tuple(y.shape)}): {type(e).__name__}: {e}") from None
+    if not isinstance(value, torch.Tensor) or value.dim() != 0:
+        raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
+    stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
+    return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta)
+
+
+_SPEED: dict[int, tuple[float, float]] = {}
+
+
+def machine_speed(threads: int) -> tuple[float, float]:
+    """(FLOP/s of a float32 matmul, bytes/s of a copy) with ``threads`` torch threads,
+    measured once per process (a few milliseconds)."""
+    if threads not in _SPEED:
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            a, src = torch.randn(384, 384), torch.randn(2**21)
+            dst = torch.empty_like(src)
+            mm, cp = [], []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                a @ a
+                t1 = time.perf_counter()
+                dst.copy_(src)
+                mm.append(t1 - t0)
+                cp.append(time.perf_counter() - t1)
+            _SPEED[threads] = (2 * 384**3 / statistics.median(mm[1:]), 2 * src.numel() * 4 / statistics.median(cp[1:]))
+        finally:
+            torch.set_num_threads(old)
+    return _SPEED[threads]
+
+
+def estimate_seconds(t: Trace, threads: int) -> list[float]:
+    """Each layer's forward + backward seconds for one microbatch, from its FLOPs and bytes
+    (backward: twice the forward) at this machine's measured speed."""
+    flop_s, byte_s = machine_speed(threads)
+    return [3 * (f / flop_s + b / byte_s + LAYER_OVERHEAD_S) for f, b in zip(t.flops, t.io_bytes)]
