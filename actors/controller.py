@@ -28,11 +28,11 @@ from service.spec import JobSpec, SpecError
 
 class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
-                 keeper: StateKeeper, *, save_model: Optional[Callable[[dict], None]],
+                 keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
-        self.save_model = save_model
+        self.model_out, self.save_index = model_out, save_index  # where the final model's shards go
         self.elastic = spec.elastic.enabled
         self.layers: Optional[layerfacts.Layers] = None
         self.make_reshaper = reshaper
@@ -42,7 +42,7 @@ class JobController:
         self.reshapes = 0
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
         self.final_attempts = 0
-        self.final: Optional[dict] = None
+        self.final: Optional[dict] = None            # the final model's index (service/shards.py)
         self.cancelled = threading.Event()
 
     def run(self) -> None:
@@ -204,7 +204,7 @@ class JobController:
     def _finish(self) -> State:
         steps = self.spec.training.steps
         try:
-            self.final, _ = self.keeper.collect(steps)
+            self.final = self.keeper.write_final(steps, self.model_out)
         except JobFailure:
             self.final_attempts += 1
             if not self.elastic or self.final_attempts == 3:
@@ -214,8 +214,7 @@ class JobController:
             self.reshaper.drop_dead(alive)
             return Reshaping(move=Move("a worker was lost after the last step", keep=alive, donors=alive,
                                        exclude=set(), forced=True))
-        if self.save_model:
-            self.save_model(self.final)
+        self.save_index(self.final)
         last = self.record.metrics[-1]["loss"] if self.record.metrics else None
         return Succeeded(f"job finished: {steps} steps, last loss {last:.6g}" if last is not None else "job finished")
 

@@ -1,6 +1,7 @@
 """``relaytrain run``: train one job in the foreground and write its outputs.
 
-DIR/model.pt       the whole model's state_dict (the builder's keys)
+DIR/model/         the final model: a safetensors shard per stage and its index (service/shards.py)
+DIR/model.pt       the same in one file (the model's state_dict), when it is at most MODEL_PT_MAX_BYTES
 DIR/metrics.jsonl  one row per committed step, flushed as it commits
 DIR/events.jsonl   started, shape, checkpoints, finished, failures
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -15,10 +17,14 @@ from pathlib import Path
 from typing import Optional
 
 from actors import launch
-from service import checkpoint
+from service import checkpoint, shards
 from service.loading import preflight, search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
+
+
+# the final model is also written as one model.pt up to this size (env RELAYTRAIN_MODEL_PT_MAX_MB)
+MODEL_PT_MAX_BYTES = int(float(os.environ.get("RELAYTRAIN_MODEL_PT_MAX_MB", "1024")) * 2**20)
 
 
 class JobFailed(RuntimeError):
@@ -78,6 +84,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
     started_ray = launch.connect(ray_address, local_cpus)
     outputs = _Outputs(Path(out), append=resume_path is not None)
+    model_dir = (Path(out) / "model").resolve()
+    shutil.rmtree(model_dir, ignore_errors=True)  # no shard of an earlier run with another pp stays
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None
     sched = None
@@ -87,17 +95,17 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             job_id, spec.model_dump(mode="json"), search,
             runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
             checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
-            store_url=store.url if store else None)
+            store_url=store.url if store else None, model_dir=str(model_dir))
         done_ref = sched.run.remote()
         final = _follow(sched, done_ref, outputs, spec, progress)
         if final["state"] != JobState.SUCCEEDED.value:
             detail = next((e.get("detail", "") for e in reversed(final["events"]) if e["type"] == "failed"), "")
             raise JobFailed(final["error"] or f"job ended {final['state']}", detail, final)
-        state = ray.get(sched.model_state.remote())
-        _save_model(state, Path(out) / "model.pt")
+        index = ray.get(sched.model_index.remote())
+        where = _save_model(index, model_dir, Path(out) / "model.pt")
         if store:
-            store.update_job(job_id, model_path=str((Path(out) / "model.pt").resolve()))
-        outputs.event("saved", f"model saved to {Path(out) / 'model.pt'}")
+            store.update_job(job_id, model_path=str(where.resolve()))
+        outputs.event("saved", f"model saved to {where}")
         return final
     except BaseException as e:
         if not isinstance(e, (JobFailed, SpecError)):
@@ -166,9 +174,16 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
             bar.close()
 
 
-def _save_model(state: dict, path: Path) -> None:
+def _save_model(index: dict, model_dir: Path, path: Path) -> Path:
+    """The model as one ``model.pt`` too (its state_dict, in the model's order) when it fits
+    ``MODEL_PT_MAX_BYTES``; returns where the model is (that file, or the shards' folder)."""
     import torch
 
+    path.unlink(missing_ok=True)
+    if index["metadata"]["total_size"] > MODEL_PT_MAX_BYTES:
+        return model_dir
+    state = shards.load(model_dir)
     tmp = path.with_suffix(".pt.tmp")
-    torch.save(state, tmp)
+    torch.save({n: state[n] for n in index["metadata"]["order"]}, tmp)
     os.replace(tmp, path)
+    return path

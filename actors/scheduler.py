@@ -10,25 +10,26 @@ It puts the job's parts together and answers whoever polls it (the CLI, the cont
 """
 from __future__ import annotations
 
-import io
+import json
+import tempfile
 import threading
 import time
 from typing import Optional
 
 import ray
-import torch
 
 from actors.controller import JobController
 from actors.record import JobRecord
 from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
+from service import shards
 from service.spec import JobSpec
 
 
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
-                 store_url: Optional[str] = None, detached: bool = False):
+                 store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -36,9 +37,11 @@ class JobScheduler:
         self.group = WorkerGroup(job_id, self.spec, search, timeout=timeout, start_timeout=start_timeout,
                                  detached=detached, log=self.record.log_output)
         self.keeper = StateKeeper(self.group, checkpoint_root, resume, timeout)
-        save = self._save_model if (self.record.sink and detached) else None
+        if model_dir is None and not (self.record.sink and detached):
+            model_dir = tempfile.mkdtemp(prefix=f"relaytrain-{job_id}-model-")
+        self.model_out = {"dir": model_dir} if model_dir else {"store": store_url}
         self.controller = JobController(job_id, self.spec, search, self.record, self.group, self.keeper,
-                                        save_model=save)
+                                        model_out=self.model_out, save_index=self._save_index)
 
     def __repr__(self) -> str:
         return f"relaytrain:{self.job_id}:scheduler"
@@ -73,15 +76,18 @@ class JobScheduler:
         self.controller.cancelled.set()
         return True
 
-    def model_state(self) -> Optional[dict]:
+    def model_index(self) -> Optional[dict]:
+        """The final model's index (its shards are where ``model_out`` says), once it is written."""
         return self.controller.final
 
     def timeline(self, step: Optional[int] = None) -> Optional[dict]:
         """Measured (action, start, end) per worker for a recent step (the newest by default)."""
         return self.record.timeline(step)
 
-    def _save_model(self, state: dict) -> None:
-        """The trained state_dict into the job store (served by GET /v1/jobs/{id}/model)."""
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        self.record.sink.store.put_artifact(self.job_id, "model.pt", buf.getvalue())
+    def _save_index(self, index: dict) -> None:
+        """The final model's index, last, beside the shards the workers wrote."""
+        text = json.dumps(index, indent=1)
+        if self.model_out.get("dir"):
+            shards.write_text(self.model_out["dir"], shards.INDEX, text)
+        else:  # served by GET /v1/jobs/{id}/model
+            self.record.sink.store.put_artifact(self.job_id, f"model/{shards.INDEX}", text.encode())

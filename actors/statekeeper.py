@@ -8,6 +8,7 @@ before the next commit, ``newest_copy`` when layers were lost, ``sources`` when 
 a shape, ``save_checkpoint`` and ``collect`` (the whole state, for the final model)."""
 from __future__ import annotations
 
+import shutil
 import threading
 import time
 from typing import Optional
@@ -17,7 +18,7 @@ import ray
 from actors.failures import JobFailure
 from actors.state import merge_states, subset_state
 from actors.workergroup import WorkerGroup
-from service import checkpoint
+from service import checkpoint, shards
 
 
 class StateKeeper:
@@ -113,34 +114,41 @@ class StateKeeper:
         best = None
         if self.snap is not None:
             best = {**self.snap, "source": f"snapshot of step {self.snap['step']} in the scheduler's memory"}
-        if self.checkpoint_root:
-            try:
-                state = checkpoint.load(self.checkpoint_root)
-            except FileNotFoundError:
-                return best
-            if best is None or int(state["step"]) > best["step"]:
-                best = {"step": int(state["step"]), "model": state["model"], "optim": state["optim"],
-                        "source": f"checkpoint {state['path']}"}
+        newest = checkpoint.latest(self.checkpoint_root) if self.checkpoint_root else None
+        if newest is not None:
+            copy = _on_storage(newest)
+            if best is None or copy["step"] > best["step"]:
+                best = {**copy, "source": f"checkpoint {newest}"}
         return best
 
     def resume_copy(self) -> Optional[dict]:
-        if not self.resume:
-            return None
-        state = checkpoint.load(self.resume)
-        return {"step": int(state["step"]), "model": state["model"], "optim": state["optim"],
-                "path": str(state["path"])}
+        """The checkpoint a run resumes from: its step and path (each worker reads its own
+        layers from it)."""
+        return _on_storage(checkpoint.resolve(self.resume)) if self.resume else None
 
-    def collect(self, committed: int) -> tuple[dict, dict]:
-        """The whole model's state_dict and name-keyed optimizer state at ``committed`` steps,
-        from replica 0 (in the model's layer order)."""
+    def _from_stages(self, method: str, committed: int, *args) -> list:
+        """``method`` of replica 0's worker of every stage, in stage order."""
         g = self.group
-        parts = g.gather({(0, s): g.workers[(0, s)].get_state.remote(committed) for s in range(g.shape.pp)},
-                         None, self.timeout, phase=f"while copying its state at step {committed}")
-        merged = merge_states(parts[(0, s)] for s in range(g.shape.pp))
-        return merged["model"], merged["optim"]
+        out = g.gather({(0, s): getattr(g.workers[(0, s)], method).remote(*args) for s in range(g.shape.pp)},
+                       None, self.timeout, phase=f"while writing its state at step {committed}")
+        return [out[(0, s)] for s in range(g.shape.pp)]
+
+    def write_final(self, committed: int, out: dict) -> dict:
+        """Every stage writes its shard of the final model (service/shards.py) where ``out``
+        says; returns the index (``metadata.order``: the model's names in state_dict order)."""
+        entries = self._from_stages("write_final", committed, committed, out)
+        order = [n for e in entries for n in e["names"]]
+        return shards.index_of(entries, {"format": "pt", "step": committed, "order": order})
 
     def save_checkpoint(self, step: int, meta: dict, keep: int) -> str:
-        return str(checkpoint.save(self.checkpoint_root, step, *self.collect(step), meta, keep=keep))
+        """Every stage writes its own part, at once; the manifest goes last."""
+        folder = checkpoint.begin(self.checkpoint_root, step)
+        try:
+            parts = self._from_stages("save_part", step, str(folder), step)
+        except BaseException:
+            shutil.rmtree(folder, ignore_errors=True)
+            raise
+        return str(checkpoint.finish(self.checkpoint_root, folder, step, parts, meta, keep=keep))
 
     # ---------------------------------------------------------------- where a new shape's layers come from
 
@@ -159,7 +167,9 @@ class StateKeeper:
             held = set() if copy_layers == total else old_layers.get(h._actor_id.hex(), set())
             refs = []
             from_copy = tuple(sorted(need & copy_layers))
-            if from_copy:
+            if from_copy and "model" not in copy:  # a checkpoint: the worker reads its layers itself
+                refs.append({"checkpoint": copy["path"], "layers": list(from_copy)})
+            elif from_copy:
                 if from_copy not in copy_refs:
                     copy_refs[from_copy] = ray.put(subset_state(copy, set(from_copy)))
                 refs.append(copy_refs[from_copy])
@@ -167,7 +177,7 @@ class StateKeeper:
             refs += self._exports(sorted(missing), committed, donors, old_layers)
             out[(r, s)] = refs
         # every copy is taken before any donor reconfigures (and drops layers it no longer keeps)
-        exports = [ref for refs in out.values() for ref in refs]
+        exports = [ref for refs in out.values() for ref in refs if isinstance(ref, ray.ObjectRef)]
         if exports:  # (a failed copy surfaces in the configure call that reads it)
             ray.wait(exports, num_returns=len(exports), timeout=self.group.start_timeout, fetch_local=False)
         return out
@@ -181,6 +191,11 @@ class StateKeeper:
                 raise JobFailure(f"no live copy of layer {layer} at step {committed}")
             by_donor.setdefault(donor._actor_id.hex(), (donor, []))[1].append(layer)
         return [donor.export.remote(layers, committed) for donor, layers in by_donor.values()]
+
+
+def _on_storage(path) -> dict:
+    """A checkpoint as a copy: its step and path, no tensors (workers read their layers)."""
+    return {"step": checkpoint.step_of(path), "path": str(path)}
 
 
 def _get(ref, deadline: float) -> Optional[dict]:

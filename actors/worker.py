@@ -38,9 +38,11 @@ from actors.state import (clone, empty, has_state, layer_of, load_optimizer_stat
                           optimizer_state_by_name)
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from actors.ties import TiedGrads
+from service import checkpoint, shards
 from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
 from service.sampling import step_indices
 from service.spec import JobSpec
+from service.store import Store
 
 
 # Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
@@ -127,10 +129,7 @@ class StageWorker:
     def export(self, layers: list[int], committed: int) -> dict:
         """Committed parameters and optimizer state of ``layers`` (for another worker)."""
         with self._lock:
-            if self.pending == committed - 1:
-                self._settle(committed)
-            if self.applied != committed:
-                raise RuntimeError(f"{self!r} holds step {self.applied}, not the committed step {committed}")
+            self._committed(committed)
             return self._state(set(layers))
 
     def snapshot(self, committed: int) -> Optional[dict]:
@@ -140,21 +139,35 @@ class StageWorker:
                 self._settle(committed)
             return self._state() if self.applied == committed else None
 
-    def get_state(self, committed: Optional[int] = None) -> dict:
-        with self._lock:
-            if committed is not None:
-                self._settle(committed)
-            return self._state()
+    def _committed(self, committed: int) -> None:
+        """Bring the parameters to ``committed`` steps, or say why they cannot be."""
+        if self.pending == committed - 1:
+            self._settle(committed)
+        if self.applied != committed:
+            raise RuntimeError(f"{self!r} holds step {self.applied}, not the committed step {committed}")
 
-    def load_state(self, state: dict) -> bool:
+    def save_part(self, folder: str, committed: int) -> dict:
+        """Write this stage's part of the checkpoint of step ``committed`` into ``folder``
+        (service/checkpoint.py, format 2): its parameters and optimizer state, by name."""
         with self._lock:
-            own = self.stage.state_dict()
-            self.stage.load_state_dict({k: state["model"][k] for k in own})
-            if state.get("optim") and state["optim"].get("groups"):
-                load_optimizer_state(self.optimizer, self.param_names, state["optim"])
-            self.applied = int(state.get("step", self.applied))
-            self.pending = None
-            return True
+            self._committed(committed)
+            opt = optimizer_state_by_name(self.optimizer, self.param_names)
+            return checkpoint.write_part(folder, self.cell.pp_rank, self.cell.pp, self.stage.state_dict(), opt)
+
+    def write_final(self, committed: int, out: dict) -> dict:
+        """Write this stage's shard of the final model (safetensors, by the whole model's
+        names): into the folder ``out["dir"]``, or into the job store (``out["store"]``, as the
+        artifact ``model/<shard>``).  Returns its index entry."""
+        with self._lock:
+            self._committed(committed)
+            tensors = dict(self.stage.state_dict())
+        c = self.cell
+        if out.get("dir"):
+            return shards.write_shard(out["dir"], c.pp_rank, c.pp, tensors)
+        name = shards.shard_name(c.pp_rank, c.pp)
+        data = shards.to_bytes(tensors)
+        Store(out["store"]).put_artifact(self.job_id, f"model/{name}", data)
+        return {"file": name, "names": list(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
     # ---------------------------------------------------------------- wiring
 
@@ -203,6 +216,9 @@ class StageWorker:
             if isinstance(src, ray.ObjectRef):
                 with talking_to_peers("fetching layers' state from another worker"):
                     src = ray.get(src, timeout=self.timeout)
+            elif "checkpoint" in src:  # read straight from storage: only these layers' parts
+                layers = set(src["layers"])
+                src = checkpoint.load(src["checkpoint"], names=lambda n: layer_of(n) in layers)
             parts.append(src)
         return merge_states(parts) if parts else empty()
 

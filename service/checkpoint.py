@@ -233,6 +233,12 @@ def resolve(path: str | Path) -> Path:
     return newest
 
 
+def step_of(path: str | Path) -> int:
+    """The committed step count of a checkpoint folder (or of the newest under a root), from
+    its manifest alone."""
+    return int(_manifest(resolve(path))["step"])
+
+
 # ---------------------------------------------------------------- reading
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import quote
 
 import httpx
 
@@ -76,6 +78,48 @@ class Client:
 
     def model(self, job_id: str) -> bytes:
         return self._call("GET", f"/v1/jobs/{job_id}/model").content
+
+    def model_files(self, job_id: str) -> dict:
+        """The final model's index (``metadata``, ``weight_map``) and ``files``: its shards, ``{name, bytes}``."""
+        return self._call("GET", f"/v1/jobs/{job_id}/model/files").json()
+
+    def model_file(self, job_id: str, name: str) -> bytes:
+        return self._call("GET", f"/v1/jobs/{job_id}/model/files/{quote(name, safe='')}").content
+
+    def download(self, path: str, dest, chunk: int = 1 << 20) -> int:
+        """GET ``path`` into the file ``dest``, streamed and atomically (a temporary file beside it,
+        renamed when whole); returns its bytes."""
+        dest = Path(dest)
+        tmp = dest.with_name(f".{dest.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            with self.http.stream("GET", path) as r:
+                if r.status_code >= 400:
+                    r.read()
+                    try:
+                        detail = r.json().get("detail", r.text)
+                    except ValueError:
+                        detail = r.text
+                    raise ApiError(r.status_code, detail)
+                size = 0
+                with open(tmp, "wb") as f:
+                    for block in r.iter_bytes(chunk):
+                        f.write(block)
+                        size += len(block)
+                    f.flush()
+                    os.fsync(f.fileno())
+            os.replace(tmp, dest)
+            return size
+        except httpx.TransportError as e:
+            raise ApiError(0, f"cannot download {path} from {self.http.base_url}: {e}") from None
+        finally:
+            tmp.unlink(missing_ok=True)
+
+    def download_model_file(self, job_id: str, name: str, dest) -> int:
+        return self.download(f"/v1/jobs/{job_id}/model/files/{quote(name, safe='')}", dest)
+
+    def download_model(self, job_id: str, dest) -> int:
+        """The whole model as one model.pt (the server assembles it; 409 above its limit)."""
+        return self.download(f"/v1/jobs/{job_id}/model", dest)
 
     def wait(self, job_id: str, on_update=None, poll: float = 1.0) -> dict:
         terminal = {"SUCCEEDED", "FAILED", "CANCELLED"}

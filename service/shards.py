@@ -22,7 +22,7 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save, save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -87,6 +87,19 @@ def write_shard(folder: str | Path, index: int, count: int, tensors: dict) -> di
     return {"file": path.name, "names": list(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
 
 
+def to_bytes(tensors: dict) -> bytes:
+    """One shard as bytes (for a store that takes blobs), as :func:`write_shard` would write it."""
+    return save(_plain(tensors), metadata={"format": "pt"})
+
+
+def index_of(shards: list[dict], metadata: Optional[dict] = None) -> dict:
+    """The index of shards whose entries name distinct tensors (one stage each), without
+    reading them: ``total_size`` is the sum of the entries' bytes."""
+    weight_map = {name: s["file"] for s in sorted(shards, key=lambda s: s["file"]) for name in s["names"]}
+    return {"metadata": {"total_size": sum(s["bytes"] for s in shards), **(metadata or {})},
+            "weight_map": dict(sorted(weight_map.items()))}
+
+
 def _sizes(path: Path) -> dict[str, int]:
     """Bytes of each tensor of a safetensors file, from its header alone."""
     with open(path, "rb") as f:
@@ -115,6 +128,19 @@ def write_index(folder: str | Path, shards: list[dict], metadata: Optional[dict]
     tmp = _tmp(path)
     try:
         tmp.write_text(json.dumps(index, indent=2))
+        _replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_text(folder: str | Path, name: str, text: str) -> Path:
+    """A small file of ``folder`` (the index), atomically."""
+    path = Path(folder) / name
+    tmp = _tmp(path)
+    try:
+        tmp.write_text(text)
         _replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)

@@ -246,6 +246,17 @@ class Store:
             return c.execute(sa.select(artifacts.c.data).where(artifacts.c.job_id == job_id,
                                                                artifacts.c.name == name)).scalar()
 
+    def list_artifacts(self, job_id: str, prefix: str = "") -> list[dict]:
+        """The job's artifacts whose names start with ``prefix`` (case-sensitive, taken literally),
+        by name, as ``{"name", "bytes"}``: sizes from the database, without reading the blobs."""
+        q = sa.select(artifacts.c.name, sa.func.length(artifacts.c.data).label("bytes")).where(
+            artifacts.c.job_id == job_id)
+        if prefix:  # not LIKE: SQLite's is case-insensitive and '_' and '%' are wildcards
+            q = q.where(sa.func.substr(artifacts.c.name, 1, len(prefix)) == prefix)
+        with self.engine.connect() as c:
+            rows = [{"name": r.name, "bytes": int(r.bytes)} for r in c.execute(q)]
+        return sorted(rows, key=lambda r: r["name"])  # by code point, whatever the database's collation
+
     # ---------------------------------------------------------------- packages
 
     def add_package(self, sha: str, tenant: str, size: int) -> None:

@@ -29,7 +29,7 @@ def controller(s, nodes=4):
     cluster = FakeCluster(nodes)
     group = FakeGroup(s, cluster)
     record = JobRecord("ctl-job", s.training.steps, None)
-    ctl = JobController("ctl-job", s, [], record, group, FakeKeeper(), save_model=None,
+    ctl = JobController("ctl-job", s, [], record, group, FakeKeeper(), model_out={}, save_index=lambda index: None,
                         watch=cluster, reshaper=FakeReshaper)
     return ctl, group, cluster, record
 
