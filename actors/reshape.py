@@ -118,10 +118,12 @@ class Reshaper:
         if not lost_layers:
             return
         self.keeper.settle()
-        copy = self.keeper.newest_copy()
+        copy = self.keeper.newest_copy(lost_layers, {h._actor_id.hex() for h in move.donors.values()}, committed,
+                                       set(range(self.layers)) - self.stateless)
         if copy is None:
             raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
-                             "off-node copy (enable elastic.snapshot_every_steps or checkpoint.every_steps)")
+                             "off-node copy of them (enable elastic.snapshot_every_steps or checkpoint.every_steps; "
+                             "the copy of a stage is kept on another node, so it survives one node at a time)")
         move.copy, move.restored_from, move.restored_step = copy, copy["source"], copy["step"]
         if copy["step"] == committed:
             move.copy_layers = lost_layers

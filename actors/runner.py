@@ -1,7 +1,7 @@
 """``relaytrain run``: train one job in the foreground and write its outputs.
 
 DIR/model/         the final model: a safetensors shard per stage and its index (service/shards.py)
-DIR/model.pt       the same in one file (the model's state_dict), when it is at most MODEL_PT_MAX_BYTES
+DIR/model.pt       the same in one file (the model's state_dict), up to RELAYTRAIN_MODEL_PT_MAX_MB (1024)
 DIR/metrics.jsonl  one row per committed step, flushed as it commits
 DIR/events.jsonl   started, shape, checkpoints, finished, failures
 """
@@ -21,10 +21,6 @@ from service import checkpoint, shards
 from service.loading import preflight, search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
-
-
-# the final model is also written as one model.pt up to this size (env RELAYTRAIN_MODEL_PT_MAX_MB)
-MODEL_PT_MAX_BYTES = int(float(os.environ.get("RELAYTRAIN_MODEL_PT_MAX_MB", "1024")) * 2**20)
 
 
 class JobFailed(RuntimeError):
@@ -106,6 +102,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         if store:
             store.update_job(job_id, model_path=str(where.resolve()))
         outputs.event("saved", f"model saved to {where}")
+        final["model"] = str(where)
         return final
     except BaseException as e:
         if not isinstance(e, (JobFailed, SpecError)):
@@ -176,11 +173,11 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
 
 def _save_model(index: dict, model_dir: Path, path: Path) -> Path:
     """The model as one ``model.pt`` too (its state_dict, in the model's order) when it fits
-    ``MODEL_PT_MAX_BYTES``; returns where the model is (that file, or the shards' folder)."""
+    ``shards.model_pt_max_bytes()``; returns where the model is (that file, or the shards' folder)."""
     import torch
 
     path.unlink(missing_ok=True)
-    if index["metadata"]["total_size"] > MODEL_PT_MAX_BYTES:
+    if index["metadata"]["total_size"] > shards.model_pt_max_bytes():
         return model_dir
     state = shards.load(model_dir)
     tmp = path.with_suffix(".pt.tmp")

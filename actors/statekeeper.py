@@ -1,11 +1,17 @@
-"""Copies of a job's committed state, away from the workers that train it: the snapshot in
-the scheduler's memory (elastic jobs, every ``elastic.snapshot_every_steps``), checkpoints on
-storage, the checkpoint a run resumes from, and the final model.  It also says where each
-worker of a new shape gets the layers it lacks: a live donor, or the newest copy.
+"""Copies of a job's committed state, away from the workers that train it: the off-node copy
+of each stage (elastic jobs, every ``elastic.snapshot_every_steps``), checkpoints on storage,
+the checkpoint a run resumes from, and the final model.  It also says where each worker of a
+new shape gets the layers it lacks: a live donor, or the newest copy.
+
+The off-node copy of a stage is kept by a worker on a node that runs no replica of that
+stage (a *peer*, ``StageWorker.keep_copy``: it fetches the stage's committed state itself
+and keeps it in its own memory), so the copy's cost is spread over the workers and none of
+it goes through the scheduler.  Only where every node runs a replica of the stage (one
+node, or dp at least the nodes) does the scheduler keep that stage's copy itself.
 
 The interface the controller uses: ``take_snapshot`` after a commit, ``snapshot_landed``
 before the next commit, ``newest_copy`` when layers were lost, ``sources`` when installing
-a shape, ``save_checkpoint`` and ``collect`` (the whole state, for the final model)."""
+a shape, ``save_checkpoint`` and ``write_final`` (each stage writes its own part)."""
 from __future__ import annotations
 
 import shutil
@@ -16,7 +22,7 @@ from typing import Optional
 import ray
 
 from actors.failures import JobFailure
-from actors.state import merge_states, subset_state
+from actors.state import subset_state
 from actors.workergroup import WorkerGroup
 from service import checkpoint, shards
 
@@ -25,20 +31,36 @@ class StateKeeper:
     def __init__(self, group: WorkerGroup, checkpoint_root: Optional[str], resume: Optional[str], timeout: float):
         self.group = group
         self.checkpoint_root, self.resume, self.timeout = checkpoint_root, resume, timeout
-        self.snap: Optional[dict] = None                 # off-node copy of every stage: {step, model, optim}
-        self.snapshot_s: Optional[float] = None          # seconds from a commit to its copy landing here
+        # copies by step: {step: {(lo, hi): [who keeps it: the peer worker, then the stage's own worker;
+        # or the state, kept here]}}: the newest complete step and the ranges of a newer one landed so far
+        self.kept: dict[int, dict] = {}
+        self.complete: Optional[int] = None
+        self.snapshot_s: Optional[float] = None          # seconds from a commit to its copy landing
         self._wanted: Optional[int] = None               # the step of the newest copy asked for
         self._busy = 0                                   # snapshot fetches in flight
         self._thread: Optional[threading.Thread] = None
         self._cond = threading.Condition()
 
-    # ---------------------------------------------------------------- the snapshot
+    # ---------------------------------------------------------------- the off-node copy
+
+    def _holders(self) -> dict:
+        """Per stage, who keeps its copy: a worker cell on a node that runs no replica of the
+        stage (spread over the candidates), else None: the scheduler."""
+        g = self.group
+        load: dict = {c: 0 for c in g.workers}
+        out = {}
+        for s, (lo, hi) in enumerate(g.shape.bounds):
+            nodes = {g.node_of((r, s)) for r in range(g.shape.dp)}
+            others = sorted((c for c in g.workers if g.node_of(c) not in nodes), key=lambda c: (load[c], c))
+            out[s] = others[0] if others else None
+            if others:
+                load[others[0]] += hi - lo
+        return out
 
     def take_snapshot(self, committed: int) -> None:
-        """Ask every stage for a copy of its committed state (before the next step is sent, so
-        it is served first) and keep it here, off the workers' nodes.  A thread fetches it
-        while the next step runs, and that step commits only once it is here
-        (``snapshot_landed``), so the copy is never more than one step behind."""
+        """Have every stage's committed state copied off its node, while the next step runs;
+        that step commits only once the copy is complete (``snapshot_landed``), so the copy
+        is never more than one step behind."""
         if self._thread is not None:
             self._thread.join(30.0)
         with self._cond:
@@ -46,11 +68,19 @@ class StateKeeper:
             self._wanted = committed
         t0 = time.monotonic()
         g = self.group
-        refs = [[g.workers[(0, s)].snapshot.remote(committed)] for s in range(g.shape.pp)]
+        calls = {}
+        for s, holder in self._holders().items():
+            lo, hi = g.shape.bounds[s]
+            source = g.workers[(0, s)]
+            if holder is None:
+                calls[(lo, hi)] = [(None, source.snapshot.remote(committed))]
+            else:  # the peer keeps it, and so does the source until a newer copy is complete
+                h = g.workers[holder]
+                calls[(lo, hi)] = [([h, source], h.keep_copy.remote((lo, hi), source, committed))]
 
         def fetch():
             try:
-                self._fetch(committed, refs, t0, self.timeout)
+                self._fetch(committed, calls, t0, self.timeout)
             finally:
                 with self._cond:
                     self._busy -= 1
@@ -59,37 +89,50 @@ class StateKeeper:
         self._thread = threading.Thread(target=fetch, name="relaytrain-snapshot", daemon=True)
         self._thread.start()
 
-    def _fetch(self, committed: int, refs: list, t0: float, timeout: float) -> bool:
-        """Keep the copy of step ``committed`` from ``refs`` (per stage, the snapshot calls of
-        one or more of its replicas: the first good answer counts).  False if a stage gave none."""
+    def _fetch(self, committed: int, calls: dict, t0: float, timeout: float) -> bool:
+        """Wait for the copy of step ``committed``: per stage range, the first of its calls
+        (a peer's ``keep_copy``, or a ``snapshot`` kept here) that succeeds, recorded as it
+        lands.  False if a range got none."""
         deadline = time.monotonic() + timeout
-        parts = []
-        for stage_refs in refs:
-            part = next((p for p in (_get(ref, deadline) for ref in stage_refs)
-                         if p is not None and p["step"] == committed), None)
-            if part is None:
-                return False
-            parts.append(part)
+        ok = True
+        for key, tries in calls.items():
+            for holder, ref in tries:
+                got = _get(ref, deadline)
+                if (got is not None and got["step"] == committed) if holder is None else got == committed:
+                    with self._cond:
+                        self.kept.setdefault(committed, {})[key] = [got] if holder is None else holder
+                    break
+            else:
+                ok = False
+        if not ok:
+            return False
         with self._cond:
             self.snapshot_s = time.monotonic() - t0
-            if self.snap is None or self.snap["step"] < committed:
-                self.snap = {"step": committed, **merge_states(parts)}
+            if self.complete is None or self.complete < committed:
+                self.complete = committed
+                older = [h for step, ranges in self.kept.items() if step < committed for hs in ranges.values()
+                         for h in hs]
+                self.kept = {s: r for s, r in self.kept.items() if s >= committed}
+                for h in {id(h): h for h in older if not isinstance(h, dict)}.values():
+                    h.drop_copies.options(num_returns=0).remote(committed)
         return True
 
     def snapshot_landed(self) -> bool:
-        """Before a step commits: is the copy asked for after the previous commit here?  Waits
-        for a fetch in flight and, if it failed, asks every replica of each stage once more.
-        False means the workers cannot hand out their state (their node is going): the step
-        must not commit, or a lost stage would go back more than one step."""
+        """Before a step commits: is the copy asked for after the previous commit complete?
+        Waits for a fetch in flight and, if it failed, asks every replica of each stage once
+        more for a copy kept here.  False means the workers cannot hand out their state (their
+        node is going): the step must not commit, or a lost stage would go back more than one
+        step."""
         wanted = self._wanted
-        if wanted is None or (self.snap is not None and self.snap["step"] >= wanted):
+        if wanted is None or (self.complete is not None and self.complete >= wanted):
             return True
         self.settle()
-        if self.snap is not None and self.snap["step"] >= wanted:
+        if self.complete is not None and self.complete >= wanted:
             return True
         g = self.group
-        refs = [[g.workers[(r, s)].snapshot.remote(wanted) for r in range(g.shape.dp)] for s in range(g.shape.pp)]
-        return self._fetch(wanted, refs, time.monotonic(), timeout=3.0)
+        calls = {(lo, hi): [(None, g.workers[(r, s)].snapshot.remote(wanted)) for r in range(g.shape.dp)]
+                 for s, (lo, hi) in enumerate(g.shape.bounds)}
+        return self._fetch(wanted, calls, time.monotonic(), timeout=3.0)
 
     @property
     def wanted(self) -> Optional[int]:
@@ -109,11 +152,25 @@ class StateKeeper:
 
     # ---------------------------------------------------------------- copies on storage
 
-    def newest_copy(self) -> Optional[dict]:
-        """The newest complete off-node copy: the scheduler's snapshot or a checkpoint."""
+    def newest_copy(self, lost: set, alive: set, committed: int, stateful: set) -> Optional[dict]:
+        """The newest copy to restore from: the off-node copy of step ``committed`` when it holds
+        the ``lost`` layers (kept by workers in ``alive``, actor ids, or here); else an older
+        step's that holds every ``stateful`` layer (all go back to it); else the newest
+        checkpoint, if newer."""
         best = None
-        if self.snap is not None:
-            best = {**self.snap, "source": f"snapshot of step {self.snap['step']} in the scheduler's memory"}
+        with self._cond:
+            kept = {step: dict(ranges) for step, ranges in self.kept.items()}
+        for step in sorted(kept, reverse=True):
+            ranges = {}  # each range's first keeper that is alive (or the state kept here)
+            for r, keepers in kept[step].items():
+                k = next((k for k in keepers if isinstance(k, dict) or k._actor_id.hex() in alive), None)
+                if k is not None:
+                    ranges[r] = k
+            covered = {i for lo, hi in ranges for i in range(lo, hi)}
+            if (lost if step == committed else stateful) <= covered:
+                where = "peer workers" if any(not isinstance(k, dict) for k in ranges.values()) else "the scheduler"
+                best = {"step": step, "ranges": ranges, "source": f"copy of step {step} kept by {where}"}
+                break
         newest = checkpoint.latest(self.checkpoint_root) if self.checkpoint_root else None
         if newest is not None:
             copy = _on_storage(newest)
@@ -160,19 +217,23 @@ class StateKeeper:
         if committed == 0:
             return {}
         total = {i for lo, hi in bounds for i in range(lo, hi)}
-        copy_refs: dict = {}
+        copy_refs: dict = {}  # layers -> one ref, shared by the cells that need them
         out = {}
         for (r, s), h in assign.items():
             need = set(range(*bounds[s]))
             held = set() if copy_layers == total else old_layers.get(h._actor_id.hex(), set())
             refs = []
-            from_copy = tuple(sorted(need & copy_layers))
-            if from_copy and "model" not in copy:  # a checkpoint: the worker reads its layers itself
-                refs.append({"checkpoint": copy["path"], "layers": list(from_copy)})
-            elif from_copy:
-                if from_copy not in copy_refs:
-                    copy_refs[from_copy] = ray.put(subset_state(copy, set(from_copy)))
-                refs.append(copy_refs[from_copy])
+            from_copy = set(need & copy_layers)
+            if from_copy and "path" in copy:  # a checkpoint: the worker reads its layers itself
+                refs.append({"checkpoint": copy["path"], "layers": sorted(from_copy)})
+            for (lo, hi), keeper in (copy or {}).get("ranges", {}).items():
+                part = tuple(sorted(i for i in from_copy if lo <= i < hi))
+                if not part:
+                    continue
+                if part not in copy_refs:  # kept here (a state) or by a peer worker (its handle)
+                    copy_refs[part] = (ray.put(subset_state(keeper, set(part))) if isinstance(keeper, dict)
+                                       else keeper.export_copy.remote(list(part), copy["step"]))
+                refs.append(copy_refs[part])
             missing = need - held - copy_layers - stateless
             refs += self._exports(sorted(missing), committed, donors, old_layers)
             out[(r, s)] = refs

@@ -35,7 +35,7 @@ from actors.failures import talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, GradientReducer, StepRunner, Transport
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
-                          optimizer_state_by_name)
+                          optimizer_state_by_name, subset_state)
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from actors.ties import TiedGrads
 from service import checkpoint, shards
@@ -87,6 +87,8 @@ class StageWorker:
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self.recipe: Optional[ModelRecipe] = None   # builds any layer of the model (user code, imported once)
         self.bounds: list = []
+        self.copies: dict[tuple[int, int, int], dict] = {}  # (lo, hi, step) -> another stage's state (peer copy)
+        self._copies_lock = threading.Lock()
         self._aborted: Optional[int] = None
 
     @property
@@ -132,12 +134,57 @@ class StageWorker:
             self._committed(committed)
             return self._state(set(layers))
 
-    def snapshot(self, committed: int) -> Optional[dict]:
-        """A copy of this stage's committed state, or None if the worker has moved on."""
+    def snapshot(self, committed: int, keep: bool = False) -> Optional[dict]:
+        """A copy of this stage's committed state, or None if the worker has moved on.  With
+        ``keep`` the copy also stays here until a newer one is complete (``drop_copies``): if
+        another stage is lost before its copy of this step lands, every stage goes back to
+        the previous step, and this one's is then here."""
         with self._lock:
             if self.pending == committed - 1:
                 self._settle(committed)
-            return self._state() if self.applied == committed else None
+            state = self._state() if self.applied == committed else None
+        if state is not None and keep:
+            self._keep(self.cell.layers, committed, state)
+        return state
+
+    def _keep(self, layers: tuple, committed: int, state: dict) -> None:
+        lo, hi = layers
+        with self._copies_lock:  # a range's two newest steps stay until drop_copies: all may go back one
+            self.copies[(lo, hi, committed)] = state
+            steps = sorted(k[2] for k in self.copies if k[:2] == (lo, hi))
+            for old in steps[:-2]:
+                del self.copies[(lo, hi, old)]
+
+    # ---------------------------------------------------------------- peer copies
+
+    def keep_copy(self, layers: tuple, source, committed: int) -> int:
+        """Fetch and keep a copy of layers [lo, hi) at step ``committed`` from ``source`` (the
+        worker that trains them, on another node): this worker is their off-node copy.  The
+        result is owned by this process, so it outlives ``source``.  Returns the step kept,
+        or -1 when the source has moved on."""
+        import ray
+
+        with talking_to_peers(f"fetching a copy of layers {layers[0]}-{layers[1] - 1}"):
+            state = ray.get(source.snapshot.remote(committed, keep=True), timeout=self.timeout)
+        if state is None:
+            return -1
+        self._keep(tuple(layers), committed, state)
+        return committed
+
+    def export_copy(self, layers: list[int], committed: int) -> dict:
+        """The kept copy of ``layers`` at step ``committed`` (for a worker that takes them)."""
+        with self._copies_lock:
+            held = {k: v for k, v in self.copies.items() if k[2] == committed}
+        missing = set(layers) - {i for lo, hi, _ in held for i in range(lo, hi)}
+        if missing:
+            raise RuntimeError(f"{self!r} keeps no copy of layers {sorted(missing)} at step {committed}")
+        return subset_state(merge_states(held.values()), set(layers))
+
+    def drop_copies(self, before: int) -> int:
+        """Forget kept copies older than step ``before`` (a newer copy landed elsewhere)."""
+        with self._copies_lock:
+            self.copies = {k: v for k, v in self.copies.items() if k[2] >= before}
+            return len(self.copies)
 
     def _committed(self, committed: int) -> None:
         """Bring the parameters to ``committed`` steps, or say why they cannot be."""

@@ -60,7 +60,7 @@ class WorkerGroup:
         cpus = self.spec.resources.cpus_per_worker
         Worker = ray.remote(StageWorker)
         spec_dict = self.spec.model_dump(mode="json")
-        opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 4,
+        opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
                                 "namespace": names.NAMESPACE}
         if not self.elastic:  # a fixed shape is placed all at once, packed
             self._reserve(len(cells), {"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})})

@@ -37,7 +37,7 @@ def _run(args) -> int:
         return 130
     last = final["metrics"][-1] if final.get("metrics") else None
     print(f"relaytrain: {final['state']}: {final['step']} steps" + (f", last loss {last['loss']:.6g}" if last else "")
-          + f"; model in {args.out}/model.pt")
+          + f"; model in {final.get('model', args.out)}")
     return 0
 
 
@@ -257,6 +257,48 @@ def _cancel(client, args):
     _print_job(client.cancel(args.job))
 
 
+@_remote
+def _download(client, args):
+    """The job's final model into --out: its safetensors shards, then its index (last, so a folder
+    with the index is whole); or, with --single, one model.pt."""
+    from pathlib import Path
+
+    from service.shards import INDEX
+
+    out = Path(args.out)
+    try:
+        if args.single:
+            out.mkdir(parents=True, exist_ok=True)
+            size = client.download_model(args.job, out / "model.pt")
+            print(f"model.pt: {size} bytes", file=sys.stderr)
+            print(out / "model.pt")
+            return 0
+        listing = client.model_files(args.job)  # the job is done and its model there: only then a folder
+        files = listing["files"]
+        out.mkdir(parents=True, exist_ok=True)
+        for i, f in enumerate(files, 1):
+            name = f["name"]
+            if Path(name).name != name or name.startswith("."):
+                print(f"relaytrain: the server names a model file {name!r}, not a plain file name; not writing it",
+                      file=sys.stderr)
+                return 1
+            size = client.download_model_file(args.job, name, out / name)
+            if size != f["bytes"]:
+                print(f"relaytrain: {name} came as {size} bytes, the server listed {f['bytes']}; download again",
+                      file=sys.stderr)
+                (out / name).unlink(missing_ok=True)
+                return 1
+            print(f"[{i}/{len(files)}] {name}: {size} bytes", file=sys.stderr)
+        client.download_model_file(args.job, INDEX, out / INDEX)
+        total = listing.get("metadata", {}).get("total_size")
+        print(f"[index] {INDEX}" + (f": {len(files)} shards, {total} bytes of tensors" if total is not None else ""),
+              file=sys.stderr)
+    except OSError as e:
+        print(f"relaytrain: cannot write into {out}: {e.strerror or e}", file=sys.stderr)
+        return 1
+    print(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="relaytrain", description="Elastic data x pipeline parallel training on Ray.")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -313,6 +355,11 @@ def main(argv=None) -> int:
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
     lg.add_argument("-f", "--follow", action="store_true", help="print new lines as they come until the job ends")
     remote("cancel", _cancel, "cancel a job")
+    dl = remote("download", _download, "download a SUCCEEDED job's model: its safetensors shards and index")
+    dl.add_argument("--out", required=True, metavar="DIR", help="folder to write the files into (created)")
+    dl.add_argument("--single", action="store_true",
+                    help="write one DIR/model.pt (torch.load it) instead; for models up to the server's "
+                         "RELAYTRAIN_MODEL_PT_MAX_MB")
     tl = remote("timeline", _timeline, "a recent step as measured on the workers: text, --json, or an SVG swimlane")
     tl.add_argument("--step", type=int, default=None, help="a step the server keeps (default: the newest kept)")
     tl.add_argument("--out", default=None, metavar="FILE.svg", help="write the swimlane picture as SVG")

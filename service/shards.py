@@ -30,6 +30,16 @@ SINGLE = "model.safetensors"
 Names = Union[None, Iterable[str], Callable[[str], bool]]
 
 
+def model_pt_max_bytes() -> int:
+    """The largest final model also made into one ``model.pt`` (by ``relaytrain run`` and by
+    GET /v1/jobs/{id}/model): env RELAYTRAIN_MODEL_PT_MAX_MB (default 1024), read at each call."""
+    raw = os.environ.get("RELAYTRAIN_MODEL_PT_MAX_MB", "1024")
+    try:
+        return int(float(raw) * 2**20)
+    except ValueError:
+        raise ValueError(f"RELAYTRAIN_MODEL_PT_MAX_MB is {raw!r}; set it to a number of MiB") from None
+
+
 def shard_name(index: int, count: int) -> str:
     """The file of shard ``index`` (0-based, the stage) of ``count``, numbered from 1 as
     Hugging Face does: ``shard_name(0, 4) == "model-00001-of-00004.safetensors"``."""

@@ -229,7 +229,7 @@ def test_shrink_then_grow_changes_pp_and_dp(cluster, tmp_path):
     assert shapes == [((2, 2), (1, 3)), ((1, 3), (2, 2))]
 
 
-def test_every_replica_of_a_stage_lost_restores_from_the_snapshot(cluster, tmp_path):
+def test_every_replica_of_a_stage_lost_restores_from_its_peer_copy(cluster, tmp_path):
     with_nodes(cluster, 4)
     spec = elastic_spec("lose-stage", 2, 2)
     job = Job(spec, tmp_path)
@@ -244,7 +244,8 @@ def test_every_replica_of_a_stage_lost_restores_from_the_snapshot(cluster, tmp_p
     assert reshape["new_shape"] == [1, 2]
     # the copy of step s is fetched while step s + 1 runs (step s + 2 waits for it): a stage lost
     # before it landed re-runs one step, and the event says so
-    assert reshape["restored_from"] == f"snapshot of step {reshape['step'] - 1} in the scheduler's memory"
+    # ... kept by a worker of stage 0 (on another node), not by the scheduler
+    assert reshape["restored_from"] == f"copy of step {reshape['step'] - 1} kept by peer workers"
     assert reshape["steps_lost"] in (0, 1)
     assert len([m for m in result["metrics"] if m.get("rerun")]) == reshape["steps_lost"]
 

@@ -132,6 +132,32 @@ def test_artifacts_are_kept_and_replaced(store):
     assert store.get_artifact("a", "model.pt") == b"\x00second" * 1000
 
 
+def test_list_artifacts_by_prefix_with_sizes(store):
+    store.create_job("a", "alice", SPEC)
+    store.create_job("b", "alice", SPEC)
+    assert store.list_artifacts("a") == []
+    shard = bytes(range(256)) * 40 + b"\x00" * 7  # binary, with NULs: a size in bytes, not characters
+    store.put_artifact("a", "model/model-00002-of-00002.safetensors", shard)
+    store.put_artifact("a", "model/model-00001-of-00002.safetensors", b"\x00" * 3)
+    store.put_artifact("a", "model/model.safetensors.index.json", "{\"é\": 1}".encode())  # 2-byte é
+    store.put_artifact("a", "model.pt", b"old")
+    store.put_artifact("a", "MODEL/upper", b"x")   # the prefix is case-sensitive
+    store.put_artifact("a", "modelXextra", b"x")   # and literal (not a LIKE pattern)
+    store.put_artifact("b", "model/model-00001-of-00001.safetensors", b"other job")
+    assert store.list_artifacts("a", "model/") == [
+        {"name": "model/model-00001-of-00002.safetensors", "bytes": 3},
+        {"name": "model/model-00002-of-00002.safetensors", "bytes": len(shard)},
+        {"name": "model/model.safetensors.index.json", "bytes": 9}]
+    assert [a["name"] for a in store.list_artifacts("a")] == [
+        "MODEL/upper", "model.pt", "model/model-00001-of-00002.safetensors",
+        "model/model-00002-of-00002.safetensors", "model/model.safetensors.index.json", "modelXextra"]
+    assert store.list_artifacts("a", "model_") == []
+    assert store.list_artifacts("b", "model/") == [{"name": "model/model-00001-of-00001.safetensors", "bytes": 9}]
+    store.put_artifact("a", "model/model-00001-of-00002.safetensors", b"\x01" * 11)  # replaced: the new size
+    assert store.list_artifacts("a", "model/model-00001")[0]["bytes"] == 11
+    assert store.list_artifacts("nope", "model/") == []
+
+
 def test_sqlite_store_in_a_home_that_does_not_exist_yet(tmp_path, monkeypatch):
     """A fresh machine has no ~/.local/share: the embedded store creates its folder."""
     from service.settings import Settings

@@ -188,7 +188,7 @@ class FakeKeeper:
     def settle(self) -> None:
         pass
 
-    def newest_copy(self):
+    def newest_copy(self, lost, alive, committed, stateful):
         return None
 
     def forget_pending(self) -> None:

@@ -1,10 +1,11 @@
 """/v1/jobs: submit, list, inspect, cancel, follow and download jobs."""
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 
 from fastapi import APIRouter, Header, Query, Response
 from fastapi.responses import PlainTextResponse
+from pydantic import BaseModel, Field
 
 from api.deps import ManagerDep, TenantDep
 from api.schemas import ErrorOut, EventOut, JobOut, JobPage, OutputLineOut
@@ -78,13 +79,54 @@ def job_metrics(job_id: str, manager: ManagerDep, tenant: TenantDep,
     return manager.store.get_metrics(job_id, after_step, limit)
 
 
+class ModelFileOut(BaseModel):
+    name: str = Field(description="a shard file: GET /v1/jobs/{job_id}/model/files/{name}")
+    bytes: int = Field(description="its size")
+
+
+class ModelFilesOut(BaseModel):
+    """The model's index, as in its model.safetensors.index.json, and its shard files."""
+    model_config = {"extra": "allow"}
+    metadata: dict[str, Any] = Field(description="total_size (bytes of tensor data), step, format, and order: "
+                                                 "every tensor name in the model's state_dict order")
+    weight_map: dict[str, str] = Field(description="tensor name -> the shard file that holds it")
+    files: list[ModelFileOut] = Field(description="the shard files, one per pipeline stage, in order")
+
+
+MODEL_ERRORS = {**ERRORS, 409: {"model": ErrorOut, "description": "the job has not SUCCEEDED"}}
+
+
 @router.get("/{job_id}/model", response_class=Response,
-            responses={**ERRORS, 409: {"model": ErrorOut},
+            responses={**ERRORS, 409: {"model": ErrorOut, "description": "the job has not SUCCEEDED, or the model "
+                                       "is larger than RELAYTRAIN_MODEL_PT_MAX_MB: download its shards"},
                        200: {"content": {"application/octet-stream": {}}, "description": "torch.save'd state_dict"}})
 def job_model(job_id: str, manager: ManagerDep, tenant: TenantDep):
-    """The trained model's state_dict (torch.load it), once the job SUCCEEDED."""
+    """The trained model's state_dict (torch.load it), once the job SUCCEEDED, assembled from its
+    shards in the model's order. Only a model of at most RELAYTRAIN_MODEL_PT_MAX_MB (default
+    1024 MiB) comes as one file: a larger one is a 409, and its shards are at
+    /v1/jobs/{job_id}/model/files."""
     return Response(manager.model_bytes(tenant, job_id), media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{job_id}.pt"'})
+
+
+@router.get("/{job_id}/model/files", response_model=ModelFilesOut, responses=MODEL_ERRORS)
+def job_model_files(job_id: str, manager: ManagerDep, tenant: TenantDep) -> dict:
+    """The trained model as Hugging Face publishes large ones, once the job SUCCEEDED: its index
+    (model.safetensors.index.json: `metadata`, `weight_map`) and `files`, a safetensors shard per
+    pipeline stage with its size. Download each file, and the index, from
+    /v1/jobs/{job_id}/model/files/{name}."""
+    return manager.model_files(tenant, job_id)
+
+
+@router.get("/{job_id}/model/files/{name:path}", response_class=Response,
+            responses={**MODEL_ERRORS, 200: {"content": {"application/octet-stream": {}},
+                                             "description": "the file's bytes"}})
+def job_model_file(job_id: str, name: str, manager: ManagerDep, tenant: TenantDep):
+    """One file of the trained model: a shard /v1/jobs/{job_id}/model/files lists (a safetensors
+    file) or the index, model.safetensors.index.json. Any other name is a 404 that lists the files."""
+    data = manager.model_file(tenant, job_id, name)
+    return Response(data, media_type="application/octet-stream",
+                    headers={"Content-Disposition": f'attachment; filename="{name}"'})
 
 
 @router.get("/{job_id}/logs", response_class=PlainTextResponse, responses=ERRORS)
