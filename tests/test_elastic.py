@@ -250,6 +250,39 @@ def test_every_replica_of_a_stage_lost_restores_from_its_peer_copy(cluster, tmp_
     assert len([m for m in result["metrics"] if m.get("rerun")]) == reshape["steps_lost"]
 
 
+def test_a_gpt_stage_whose_only_replica_is_lost_comes_back_from_its_peer_copy(cluster, tmp_path):
+    """A layer list (the built-in GPT, its head tied to the embedding across the cut) at 1x2: the
+    node of stage 1 goes, and stage 1 comes back on the spare node from the copy the stage-0 worker
+    keeps of it; nothing of it went through the scheduler."""
+    with_nodes(cluster, 3)
+    spec = parse_spec({
+        "name": "gpt-peer", "model": {"kind": "gpt", "args": {"vocab_size": 96, "seq_len": 16, "d_model": 32,
+                                                               "n_heads": 4, "n_layers": 2, "dtype": "float64"}},
+        "data": {"kind": "chars", "args": {"context": 16, "stride": 4}}, "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "training": {"global_batch_size": 16, "microbatch_size": 4, "steps": 30, "seed": 3},
+        "parallelism": {"dp": 1, "pp": 2, "transport": "collective", "layer_costs_ms": [1, 10, 10, 1, 1]},
+        "resources": {"memory_per_worker_mb": 0.6},  # ~0.85 MB of parameters, gradients and momentum: two stages
+        "elastic": {"enabled": True, "min_workers": 2, "max_workers": 2}})
+    job = Job(spec, tmp_path)
+    p = job.wait_step(8)
+    time.sleep(0.2)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    want = check_result(result, spec)
+    import torch
+
+    got = final_params(tmp_path)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-9, atol=1e-9)
+    assert torch.equal(got["0.tok.weight"], got["4.weight"])
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 2]
+    assert reshape["restored_from"] == f"copy of step {reshape['restored_from_step']} kept by peer workers"
+    assert reshape["steps_lost"] in (0, 1)
+
+
 def test_without_a_current_copy_the_steps_since_the_checkpoint_are_rerun(cluster, tmp_path):
     with_nodes(cluster, 2)
     ckpt = tmp_path / "ckpt"

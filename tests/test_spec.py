@@ -173,3 +173,29 @@ def test_examples_are_valid_specs(name):
     if name.endswith((".yaml", ".yml", ".json")):
         spec = load_spec(os.path.join(os.path.dirname(__file__), "..", "examples", name))
         assert spec.name
+
+
+@pytest.mark.parametrize("builder, message", [
+    ("not_callable", "model.builder: entry 1 of the layer list is a module instance, not a zero-argument callable "
+                     "that builds the layer: write functools.partial(Block, ...) or lambda: Block(...)"),
+    ("returns_no_module", "model.builder: layer 1 (returns_no_module.<locals>.<lambda>) returned str, not a "
+                          "torch.nn.Module; each entry of the layer list must build one layer"),
+    ("ties_a_missing_parameter", "model.builder: the tie ['0.weight', '1.wieght'] names '1.wieght', but layer 1 "
+                                 "has no parameter 'wieght'; its parameters are ['weight', 'bias']"),
+    ("raises_in_a_layer", "model.builder: layer 1 (raises_in_a_layer.<locals>.broken) raised RuntimeError: "
+                          "peer review failed"),
+])
+def test_bad_layer_lists_say_what_to_change(builder, message):
+    s = parse_spec(spec_with(model={"builder": f"userpkg.layerlist:{builder}"}, data={"builder": "userpkg.data:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert str(e.value).startswith(message), str(e.value)
+
+
+def test_a_layer_list_is_traced_without_memory():
+    """The pre-flight check builds a layer list on the meta device: no parameter storage, whatever its size."""
+    s = parse_spec(spec_with(model={"kind": "gpt", "args": {"vocab_size": 50304, "seq_len": 64, "d_model": 2048,
+                                                            "n_heads": 16, "n_layers": 18}},
+                             data={"kind": "chars", "args": {"context": 64}}, loss="cross_entropy"))
+    t = preflight(s)  # ~1.0e9 parameters: 4 GiB were it built for real
+    assert t.on_meta and sum(t.param_bytes) > 4e9 and t.metas[-1] == ((8, 64, 50304), torch.float32)
