@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from actors import layerfacts
 from actors.cluster import NodeWatch
-from actors.failures import JobFailure, WorkerLost
+from actors.failures import JobCancelled, JobFailure, WorkerLost
 from actors.jobstates import Cancelled, Failed, Finishing, Reshaping, Running, Starting, State, Succeeded
 from actors.record import JobRecord, metrics_row
 from actors.reshape import Move, Reshaped, Reshaper
@@ -43,7 +43,7 @@ class JobController:
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
         self.final_attempts = 0
         self.final: Optional[dict] = None            # the final model's index (service/shards.py)
-        self.cancelled = threading.Event()
+        self.cancelled = getattr(group, "cancelled", None) or threading.Event()  # one event: the group waits on it too
 
     def run(self) -> None:
         state: State = Starting()
@@ -55,16 +55,18 @@ class JobController:
     def _advance(self, state: State) -> State:
         try:
             return self._step(state)
+        except JobCancelled as e:
+            return Cancelled(str(e))
         except (JobFailure, SpecError) as e:
             return Failed(str(e), {"detail": getattr(e, "detail", "")})
         except Exception as e:  # a bug or an unexpected Ray error: still say why
             return Failed(f"the scheduler raised {type(e).__name__}: {e}", {"detail": traceback.format_exc()})
 
     def _step(self, state: State) -> State:
-        if isinstance(state, Starting):
-            return self._start(state)
         if self.cancelled.is_set():
             return Cancelled(f"job cancelled after {self.record.step} committed steps")
+        if isinstance(state, Starting):
+            return self._start(state)
         if isinstance(state, Running):
             return self._run_step(state.step)
         if isinstance(state, Reshaping):

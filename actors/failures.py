@@ -24,6 +24,10 @@ class JobFailure(RuntimeError):
         self.detail = detail
 
 
+class JobCancelled(RuntimeError):
+    """The job was cancelled while the scheduler waited on something other than a step."""
+
+
 class PeerLost(RuntimeError):
     """A worker's call to the transport or a collective failed: a peer went away (or the
     step was aborted under it).  Raised only by the engine, around its communication."""

@@ -4,6 +4,7 @@ timeout, the pings that tell a slow worker from a dead one, and the abort that w
 others when one is lost).  It decides nothing: the controller tells it what to do."""
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -12,7 +13,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from actors.failures import JobFailure, cell_name, kind_of, step_failure
+from actors.failures import JobCancelled, JobFailure, cell_name, kind_of, step_failure
 from actors.worker import StageWorker
 from service import names, planner
 from service.spec import JobSpec
@@ -45,6 +46,7 @@ class WorkerGroup:
         self.pg = None
         self.shape: Optional[planner.Shape] = None
         self.joining: Optional[Joining] = None
+        self.cancelled = threading.Event()               # set by JobScheduler.cancel: stop waiting for placement
 
     # ---------------------------------------------------------------- placing
 
@@ -77,7 +79,12 @@ class WorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
                                   name=names.placement_group_name(self.job_id),
                                   lifetime="detached" if self.detached else None)
-        if not self.pg.wait(self.start_timeout):
+        deadline = time.monotonic() + self.start_timeout
+        while not self.pg.wait(0.5):
+            if self.cancelled.is_set():
+                raise JobCancelled(f"job cancelled while waiting for {n} worker slots")
+            if time.monotonic() < deadline:
+                continue
             total = ray.cluster_resources()
             raise JobFailure(
                 f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s "

@@ -40,15 +40,12 @@ def assert_same_params(got: dict, want: dict):
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{k}: {m}")
 
 
+# With an nn.Sequential builder (built whole, each worker keeping its stage); the other shapes,
+# schedules and transports run with a layer list in tests/test_large_models.py
 CASES = [
-    (1, 1, "1f1b", "object_store"),
     (1, 2, "1f1b", "object_store"),
-    (1, 2, "gpipe", "collective"),
     (2, 1, "gpipe", "object_store"),
     (2, 2, "1f1b", "collective"),
-    (2, 2, "gpipe", "object_store"),
-    (1, 4, "1f1b", "object_store"),
-    (1, 4, "gpipe", "collective"),
 ]
 
 

@@ -59,7 +59,17 @@ def test_gpt_layer_list_equals_the_one_process_rebuild(ray_session, tmp_path, to
     want, losses = reference.train(spec)
     got = torch.load(tmp_path / "model.pt")
     assert_equal(got, want)
-    assert [m["loss"] for m in final["metrics"]] == pytest.approx(losses, rel=1e-9)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == list(range(1, spec.training.steps + 1))
+    assert [r["loss"] for r in rows] == [m["loss"] for m in final["metrics"]] == pytest.approx(losses, rel=1e-9)
+    for r in rows:
+        assert r["dp"] == dp and r["pp"] == pp and 0 <= r["bubble"] <= 1 and r["samples_per_s"] > 0
+    # live activations measured on the workers: 1F1B holds at most p - i, GPipe all of its M
+    m = spec.microbatches // dp
+    assert all(r["peak_live"] == ([min(pp - i, m) for i in range(pp)] if schedule == "1f1b" else [m] * pp)
+               for r in rows)
+    kinds = [e["type"] for e in read_jsonl(tmp_path / "events.jsonl")]
+    assert final["state"] == "SUCCEEDED" and kinds[0] == "started" and "shape" in kinds and "finished" in kinds
     # the tie is one parameter: both names hold the same values after every step's update
     assert torch.equal(got["0.tok.weight"], got[HEAD])
     # the final model: one safetensors shard per stage, written by that stage, and the index
