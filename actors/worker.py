@@ -31,11 +31,12 @@ import torch
 from torch import nn
 
 from actors.collectives import GradBuckets, Group, SharedMemorySum
+from actors.copies import KeptCopies
 from actors.failures import talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, GradientReducer, StepRunner, Transport
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
-                          optimizer_state_by_name, subset_state)
+                          optimizer_state_by_name)
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from actors.ties import TiedGrads
 from service import checkpoint, shards
@@ -87,8 +88,7 @@ class StageWorker:
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self.recipe: Optional[ModelRecipe] = None   # builds any layer of the model (user code, imported once)
         self.bounds: list = []
-        self.copies: dict[tuple[int, int, int], dict] = {}  # (lo, hi, step) -> another stage's state (peer copy)
-        self._copies_lock = threading.Lock()
+        self.copies = KeptCopies()  # other stages' state (this worker is their peer) and its own, by step
         self._aborted: Optional[int] = None
 
     @property
@@ -144,16 +144,8 @@ class StageWorker:
                 self._settle(committed)
             state = self._state() if self.applied == committed else None
         if state is not None and keep:
-            self._keep(self.cell.layers, committed, state)
+            self.copies.keep(self.cell.layers, committed, state)
         return state
-
-    def _keep(self, layers: tuple, committed: int, state: dict) -> None:
-        lo, hi = layers
-        with self._copies_lock:  # a range's two newest steps stay until drop_copies: all may go back one
-            self.copies[(lo, hi, committed)] = state
-            steps = sorted(k[2] for k in self.copies if k[:2] == (lo, hi))
-            for old in steps[:-2]:
-                del self.copies[(lo, hi, old)]
 
     # ---------------------------------------------------------------- peer copies
 
@@ -168,23 +160,16 @@ class StageWorker:
             state = ray.get(source.snapshot.remote(committed, keep=True), timeout=self.timeout)
         if state is None:
             return -1
-        self._keep(tuple(layers), committed, state)
+        self.copies.keep(tuple(layers), committed, state)
         return committed
 
     def export_copy(self, layers: list[int], committed: int) -> dict:
         """The kept copy of ``layers`` at step ``committed`` (for a worker that takes them)."""
-        with self._copies_lock:
-            held = {k: v for k, v in self.copies.items() if k[2] == committed}
-        missing = set(layers) - {i for lo, hi, _ in held for i in range(lo, hi)}
-        if missing:
-            raise RuntimeError(f"{self!r} keeps no copy of layers {sorted(missing)} at step {committed}")
-        return subset_state(merge_states(held.values()), set(layers))
+        return self.copies.export(layers, committed, repr(self))
 
     def drop_copies(self, before: int) -> int:
-        """Forget kept copies older than step ``before`` (a newer copy landed elsewhere)."""
-        with self._copies_lock:
-            self.copies = {k: v for k, v in self.copies.items() if k[2] >= before}
-            return len(self.copies)
+        """Forget kept copies older than step ``before`` (a newer copy is complete)."""
+        return self.copies.drop(before)
 
     def _committed(self, committed: int) -> None:
         """Bring the parameters to ``committed`` steps, or say why they cannot be."""
