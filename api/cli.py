@@ -299,13 +299,11 @@ def _download(client, args):
     print(out)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="relaytrain", description="Elastic data x pipeline parallel training on Ray.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-
+def _local_commands(sub) -> None:
+    """The commands that need no server: run, schedule, serve."""
     run = sub.add_parser("run", help="train one job in the foreground")
     run.add_argument("spec", help="job spec file (YAML or JSON)")
-    run.add_argument("--out", required=True, help="folder for model.pt, metrics.jsonl, events.jsonl")
+    run.add_argument("--out", required=True, help="folder for model/ (shards), model.pt, metrics.jsonl, events.jsonl")
     run.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                      help="resume from a checkpoint folder, or the newest under the spec's checkpoint.path")
@@ -330,6 +328,9 @@ def main(argv=None) -> int:
     srv.add_argument("--local-cpus", type=int, default=None, help="CPU slots of the local Ray (default: all cores)")
     srv.set_defaults(fn=_serve)
 
+
+def _remote_commands(sub) -> None:
+    """The commands that talk to a server (RELAYTRAIN_SERVER)."""
     def remote(name, fn, help_, job=True):
         p = sub.add_parser(name, help=help_)
         p.add_argument("--server", default=os.environ.get("RELAYTRAIN_SERVER", DEFAULT_SERVER),
@@ -365,6 +366,12 @@ def main(argv=None) -> int:
     tl.add_argument("--out", default=None, metavar="FILE.svg", help="write the swimlane picture as SVG")
     tl.add_argument("--json", action="store_true", help="print the timeline JSON")
 
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="relaytrain", description="Elastic data x pipeline parallel training on Ray.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _local_commands(sub)
+    _remote_commands(sub)
     args = ap.parse_args(argv)
     return args.fn(args)
 
