@@ -85,9 +85,6 @@ def test_ray_exports_the_job_metrics_tagged_by_job(ray_session):
 
     port = ray._private.worker.global_worker.node.metrics_export_port
     job_id, probe_job = f"metrics-{uuid.uuid4().hex[:8]}", f"probe-{uuid.uuid4().hex[:8]}"
-    spec = small_spec("metrics", steps=100000, parallelism={"dp": 1, "pp": 1})
-    sched = start_scheduler(job_id, spec, [])
-    done = sched.run.remote()
 
     @ray.remote(num_cpus=0)
     class Probe:
@@ -99,45 +96,53 @@ def test_ray_exports_the_job_metrics_tagged_by_job(ray_session):
             m.reshaped(0.7)
             return len(m.m)
 
+    def exported(wanted, job, what):
+        """The export once it holds ``wanted`` names tagged ``job`` (Ray exports about every 10 s)."""
+        deadline = time.monotonic() + 60
+        while True:
+            fam = families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
+            have = {name for name, f in fam.items() if any(s.labels.get("job") == job for s in f.samples)}
+            if wanted <= have:
+                return fam
+            if time.monotonic() > deadline:
+                pytest.fail(f"{what}: not exported within 60 s: {sorted(wanted - have)}")
+            time.sleep(1.0)
+
+    def value(fam, name, job, sample=None):
+        return [s.value for s in fam[name].samples if s.labels.get("job") == job
+                and (sample is None or s.name == sample)]
+
+    # a reshape's counter, histogram and exact last seconds, recorded by a probe actor, read first:
+    # observed on this machine, with a scheduler running beside it the probe's last_recovery_seconds
+    # gauge was not exported within 60 s (also at the previous round's commit), alone it is in ~6 s
     probe = Probe.remote()
     assert ray.get(probe.record.remote(probe_job)) == len(DEFINITIONS)
-    want = {d.exported for d in DEFINITIONS}
+    fam = exported({"ray_relaytrain_job_reshapes", "ray_relaytrain_job_recovery_seconds",
+                    "ray_relaytrain_job_last_recovery_seconds"}, probe_job, "the probe's reshape metrics")
+    assert fam["ray_relaytrain_job_reshapes"].type == "counter"
+    assert value(fam, "ray_relaytrain_job_reshapes", probe_job, "ray_relaytrain_job_reshapes_total") == [2.0]
+    assert fam["ray_relaytrain_job_recovery_seconds"].type == "histogram"
+    assert value(fam, "ray_relaytrain_job_recovery_seconds", probe_job,
+                 "ray_relaytrain_job_recovery_seconds_count") == [2.0]
+    # Ray exports a histogram's sum from its buckets' midpoints: 0.75 + 1.5, not 0.7 + 1.5
+    assert value(fam, "ray_relaytrain_job_recovery_seconds", probe_job,
+                 "ray_relaytrain_job_recovery_seconds_sum") == [pytest.approx(2.25)]
+    assert value(fam, "ray_relaytrain_job_last_recovery_seconds", probe_job) == [pytest.approx(0.7)]
+    ray.kill(probe)
+
+    spec = small_spec("metrics", steps=100000, parallelism={"dp": 1, "pp": 1})
+    sched = start_scheduler(job_id, spec, [])
+    done = sched.run.remote()
     try:
-        deadline, fam = time.monotonic() + 60, {}
-        while time.monotonic() < deadline:
-            fam = families(httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text)
-
-            def tagged(job):
-                return {name for name, f in fam.items() if any(s.labels.get("job") == job for s in f.samples)}
-            gauges = {d.exported for d in DEFINITIONS if d.kind == "gauge"}
-            if gauges - {"ray_relaytrain_job_last_recovery_seconds"} <= tagged(job_id) and \
-                    {"ray_relaytrain_job_reshapes", "ray_relaytrain_job_recovery_seconds",
-                     "ray_relaytrain_job_last_recovery_seconds"} <= tagged(probe_job):
-                break
-            time.sleep(1.0)
-        else:
-            pytest.fail(f"not exported within 60 s: job {sorted(gauges - tagged(job_id))}, "
-                        f"probe {sorted(want - tagged(probe_job))}")
-
-        def value(name, job, sample=None):
-            return [s.value for s in fam[name].samples if s.labels.get("job") == job
-                    and (sample is None or s.name == sample)]
-        assert value("ray_relaytrain_job_step", job_id)[0] >= 1
-        assert math.isfinite(value("ray_relaytrain_job_loss", job_id)[0])
-        assert value("ray_relaytrain_job_samples_per_second", job_id)[0] > 0
-        assert value("ray_relaytrain_job_workers", job_id) == [1.0]
-        assert value("ray_relaytrain_job_bubble_plan_fraction", job_id) == [0.0]  # one stage: no bubble
-        assert 0 <= value("ray_relaytrain_job_bubble_fraction", job_id)[0] <= 1
-        assert fam["ray_relaytrain_job_reshapes"].type == "counter"
-        assert value("ray_relaytrain_job_reshapes", probe_job, "ray_relaytrain_job_reshapes_total") == [2.0]
-        assert fam["ray_relaytrain_job_recovery_seconds"].type == "histogram"
-        assert value("ray_relaytrain_job_recovery_seconds", probe_job, "ray_relaytrain_job_recovery_seconds_count") == [2.0]
-        # Ray exports a histogram's sum from its buckets' midpoints: 0.75 + 1.5, not 0.7 + 1.5
-        assert value("ray_relaytrain_job_recovery_seconds", probe_job,
-                     "ray_relaytrain_job_recovery_seconds_sum") == [pytest.approx(2.25)]
-        assert value("ray_relaytrain_job_last_recovery_seconds", probe_job) == [pytest.approx(0.7)]
+        gauges = {d.exported for d in DEFINITIONS if d.kind == "gauge"} - {"ray_relaytrain_job_last_recovery_seconds"}
+        fam = exported(gauges, job_id, "the job's metrics")
+        assert value(fam, "ray_relaytrain_job_step", job_id)[0] >= 1
+        assert math.isfinite(value(fam, "ray_relaytrain_job_loss", job_id)[0])
+        assert value(fam, "ray_relaytrain_job_samples_per_second", job_id)[0] > 0
+        assert value(fam, "ray_relaytrain_job_workers", job_id) == [1.0]
+        assert value(fam, "ray_relaytrain_job_bubble_plan_fraction", job_id) == [0.0]  # one stage: no bubble
+        assert 0 <= value(fam, "ray_relaytrain_job_bubble_fraction", job_id)[0] <= 1
     finally:
         ray.get(sched.cancel.remote())
         ray.get(done, timeout=60)
         ray.kill(sched)
-        ray.kill(probe)
