@@ -35,6 +35,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -465,8 +466,9 @@ def measure_base(spec) -> dict:
     ship_by_value()
     opts = {"num_cpus": 0, "max_concurrency": 4, "namespace": NAMESPACE}
     spec_dict = spec.model_dump(mode="json")
+    scratch = tempfile.mkdtemp(prefix="relaytrain-memory-base-")  # its model folder (never written)
     w = ray.remote(StageWorker).options(**opts).remote("memory-base", spec_dict, [], 300.0)
-    s = ray.remote(JobScheduler).options(**opts).remote("memory-base", spec_dict, [])
+    s = ray.remote(JobScheduler).options(**opts).remote("memory-base", spec_dict, [], model_dir=scratch)
     try:
         pid = ray.get(ask(w), timeout=180)["pid"]
         time.sleep(0.3)
@@ -477,6 +479,7 @@ def measure_base(spec) -> dict:
     finally:
         ray.kill(w)
         ray.kill(s)
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def phases(series: list, timeline: dict | None) -> dict:
@@ -767,7 +770,8 @@ def table_scheduler(runs: list[dict], preflight_only: int | None = None) -> str:
                      f"| {_m(preflight_only)} |  |")
     for run in runs:
         a = run["args"]
-        lines.append(f"| {run['label']} (d {a['d_model']}, {a['n_layers']} blocks, vocab {a['vocab_size']}) "
+        lines.append(f"| {run['label']} (d {a['d_model']}, {a['n_layers']} blocks, vocab {a['vocab_size']})"
+                     f"{', tuned' if run.get('tuned') else ''} "
                      f"| {run['params'] / 1e6:,.1f} M | {run['dp']} x {run['pp']} | {_m(run['scheduler_peak'])} "
                      f"| {_m(run['driver_peak'])} |")
     return "\n".join(lines)
@@ -893,8 +897,11 @@ def render(res: dict) -> str:
             f"its optimizer and stand-in step). peak = VmHWM from /proc. configure / steps / after = the largest RSS "
             f"sampled (every 0.1 s) before the worker's first action, from its first to its last action, and after "
             f"it (the last step's tied-gradient sum and update, the model written). shmem: RssShmem.\n",
-            table_processes(res["runs"], res["one_process"]), "",
-            "Scheduler (and driver) peak by model size:\n", table_scheduler(res["runs"], base.get("scheduler")), ""]
+            table_processes(res["runs"] + [r["run"] for r in res["largest"] if r.get("run", {}).get("workers")],
+                            res["one_process"]), "",
+            "Scheduler (and driver) peak by model size:\n",
+            table_scheduler(res["runs"] + [r["run"] for r in res["largest"] if r.get("run", {}).get("workers")],
+                            base.get("scheduler")), ""]
     if res["largest"]:
         text += [f"Largest GPT (d_model {FAMILY['d_model']}, vocab {FAMILY['vocab_size']}, seq_len {FAMILY['seq_len']}, "
                  f"more blocks) whose processes together stay within {res['budget'] / GiB:.1f} GiB "
@@ -914,9 +921,13 @@ def main() -> None:
     ap.add_argument("--from-json", metavar="PATH", help="print the tables of a saved result again, run nothing")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix="relaytrain-memory-"))
-    tokens = work / "tokens.bin"
-    write_tokens(tokens, 96, 1 << 18)  # ids below every vocabulary used here
+    with tempfile.TemporaryDirectory(prefix="relaytrain-memory-") as work:
+        tokens = Path(work) / "tokens.bin"
+        write_tokens(tokens, 96, 1 << 18)  # ids below every vocabulary used here
+        _main(args, tokens)
+
+
+def _main(args, tokens: Path) -> None:
     if args.from_json:
         res = json.loads(Path(args.from_json).read_text())
         if res["largest"] and not any(r.get("per_worker") for r in res["largest"]):
