@@ -8,7 +8,6 @@ DIR/events.jsonl   started, shape, checkpoints, finished, failures
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import sys
 import time
@@ -174,13 +173,8 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
 def _save_model(index: dict, model_dir: Path, path: Path) -> Path:
     """The model as one ``model.pt`` too (its state_dict, in the model's order) when it fits
     ``shards.model_pt_max_bytes()``; returns where the model is (that file, or the shards' folder)."""
-    import torch
-
     path.unlink(missing_ok=True)
     if index["metadata"]["total_size"] > shards.model_pt_max_bytes():
         return model_dir
-    state = shards.load(model_dir)
-    tmp = path.with_suffix(".pt.tmp")
-    torch.save({n: state[n] for n in index["metadata"]["order"]}, tmp)
-    os.replace(tmp, path)
+    shards.to_model_pt(model_dir, path)
     return path

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from actors.state import layer_of
+
 
 @dataclass(frozen=True)
 class _Held:
@@ -29,7 +31,7 @@ class TiedGrads:
         """``tied``: groups of names of the whole model; ``stage``: this worker's layers (named
         as in the whole model); ``bounds``: every stage's [lo, hi) layers."""
         self.pp_rank = pp_rank
-        owner = lambda name: next(s for s, (lo, hi) in enumerate(bounds) if lo <= int(name.split(".")[0]) < hi)  # noqa: E731
+        owner = lambda name: next(s for s, (lo, hi) in enumerate(bounds) if lo <= layer_of(name) < hi)  # noqa: E731
         self.held: list[_Held] = []
         for key, group in enumerate(tied):
             mine = [stage.get_parameter(n) for n in group if owner(n) == pp_rank]

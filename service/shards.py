@@ -64,6 +64,18 @@ def _replace(tmp: Path, path: Path) -> None:
     _fsync(path.parent)
 
 
+def _atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it to ``path``."""
+    tmp = _tmp(path)
+    try:
+        write(tmp)
+        _replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 def _plain(tensors: dict) -> dict:
     """CPU, contiguous tensors, none sharing storage with another (safetensors refuses that):
     a tied parameter or a view is cloned; the dtype is kept."""
@@ -87,13 +99,7 @@ def write_shard(folder: str | Path, index: int, count: int, tensors: dict) -> di
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / shard_name(index, count)
     tensors = _plain(tensors)
-    tmp = _tmp(path)
-    try:
-        save_file(tensors, tmp, metadata={"format": "pt"})
-        _replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     return {"file": path.name, "names": list(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
 
 
@@ -134,28 +140,12 @@ def write_index(folder: str | Path, shards: list[dict], metadata: Optional[dict]
                 total += sizes[name]
     index = {"metadata": {"total_size": total, **(metadata or {})},
              "weight_map": dict(sorted(weight_map.items()))}
-    path = folder / INDEX
-    tmp = _tmp(path)
-    try:
-        tmp.write_text(json.dumps(index, indent=2))
-        _replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return write_text(folder, INDEX, json.dumps(index, indent=2))
 
 
 def write_text(folder: str | Path, name: str, text: str) -> Path:
     """A small file of ``folder`` (the index), atomically."""
-    path = Path(folder) / name
-    tmp = _tmp(path)
-    try:
-        tmp.write_text(text)
-        _replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    return _atomic(Path(folder) / name, lambda tmp: tmp.write_text(text))
 
 
 def _natural(name: str) -> list:
@@ -187,14 +177,11 @@ def load(folder: str | Path, names: Names = None) -> dict:
 
 def to_model_pt(folder: str | Path, path: str | Path) -> Path:
     """Write the whole model in ``folder`` as one ``model.pt`` (a plain ``torch.save`` of its
-    state_dict), for a model that fits one process."""
-    path = Path(path)
+    state_dict, in the index's ``metadata.order`` when it has one), for a model that fits one
+    process."""
     state = load(folder)
-    tmp = _tmp(path)
-    try:
-        torch.save(state, tmp)
-        _replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
+    index = Path(folder) / INDEX
+    order = json.loads(index.read_text())["metadata"].get("order") if index.is_file() else None
+    if order:
+        state = {n: state[n] for n in order}
+    return _atomic(Path(path), lambda tmp: torch.save(state, tmp))
