@@ -127,8 +127,8 @@ class JobController:
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
                    joined: int = 0) -> policy.Situation:
         view = self.watch.refresh()
-        self.reshaper.suspect &= view.alive  # a node that lost workers counts again once Ray marked it dead
-        free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | self.reshaper.suspect)
+        suspect = self.reshaper.suspect(view.alive)
+        free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect)
         cur = (self.group.shape.dp, self.group.shape.pp) if self.group.shape and not forced else None
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
                                 waited_s=time.monotonic() - since if since else 0.0)
@@ -171,8 +171,9 @@ class JobController:
         self.record.event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
                           detail=lost.failure.detail, step=step + 1)
         abort_s = time.time() - lost.time
+        t = time.time()
         move = self.reshaper.after_loss(refs, lost)
-        move.phases["abort_s"] = abort_s
+        move.phases.update(abort_s=abort_s, survey_s=time.time() - t)
         return Reshaping(move=move)
 
     def _commit(self, step: int, stats: dict, wall: float) -> None:
@@ -250,6 +251,7 @@ class JobController:
 
     def _reshape(self, state: Reshaping) -> State:
         move, g = state.move, self.group
+        t = time.time()
         if move.committed is None:
             self.reshaper.choose_copy(move, self.record.step)
         joined = len([c for c in move.keep if c not in g.workers]) if not move.forced else 0
@@ -264,6 +266,7 @@ class JobController:
         if isinstance(d, policy.Keep):  # the growth no longer pays
             g.stop_others([h for c, h in move.keep.items() if c not in g.workers])
             return Running(self.record.step)
+        move.phases["plan_s"] = move.phases.get("plan_s", 0.0) + time.time() - t
         try:
             self.installed = self.reshaper.carry_out(move, d.shape, d.reason, self._boundary(d.shape))
         except JobFailure as e:
@@ -271,7 +274,7 @@ class JobController:
             if state.attempt == 2 or not dead:
                 raise
             self.record.event("worker_lost", f"{e} while reshaping; planning again", detail=e.detail)
-            again = Move(move.reason, keep=move.keep, donors={}, exclude=move.exclude | self.reshaper.suspect,
+            again = Move(move.reason, keep=move.keep, donors={}, exclude=move.exclude,
                          forced=True, detected=move.detected, phases=move.phases)
             return Reshaping(move=again, attempt=state.attempt + 1)
         self.reshapes += 1

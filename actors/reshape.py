@@ -16,6 +16,14 @@ from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup, kill
 from service import planner
 
+# a worker silent to the abort's ping (sent at the first error) counts as lost when it is still
+# silent this long after the error: a live one answers in milliseconds, a loaded machine's in
+# under a second; an actor on a crashed node fails only after ~1.5 s
+SILENT_GRACE_S = 0.8
+# a node whose workers were taken for lost is not placed on until Ray marks it dead (~15 s); if
+# it is still alive after this long, its workers were only slow, and it counts again
+SUSPECT_S = 30.0
+
 
 @dataclass
 class Move:
@@ -57,7 +65,14 @@ class Reshaper:
     def __init__(self, group: WorkerGroup, keeper: StateKeeper, layers: int, stateless: set):
         self.group, self.keeper = group, keeper
         self.layers, self.stateless = layers, stateless
-        self.suspect: set[str] = set()          # nodes that lost workers, until Ray marks them dead
+        self._suspect: dict[str, float] = {}    # nodes that lost workers -> since when
+
+    def suspect(self, alive: set) -> set:
+        """The nodes not to place on: those that lost workers, until Ray marks them dead or
+        they stay alive for SUSPECT_S."""
+        now = time.monotonic()
+        self._suspect = {n: t for n, t in self._suspect.items() if n in alive and now - t < SUSPECT_S}
+        return set(self._suspect)
 
     # ---------------------------------------------------------------- turning events into moves
 
@@ -67,8 +82,10 @@ class Reshaper:
         g = self.group
         # a live worker answers a ping in milliseconds, even mid-step (threaded actor), though a
         # loaded machine can take a second; a call to an actor on a crashed node fails after
-        # ~1.5 s or hangs until Ray marks the node dead (~15 s): not waited for
-        answered, _ = g.answering({c: h for c, h in g.workers.items() if c not in lost.lost}, timeout=2.0)
+        # ~1.5 s or hangs until Ray marks the node dead (~15 s): not waited for.  The workers
+        # that stayed silent to the abort's ping get until 1.2 s after the first error
+        answered, _ = g.answering({c: h for c, h in g.workers.items() if c not in lost.lost}, timeout=2.0,
+                                  silent=lost.silent, silent_until=lost.time + SILENT_GRACE_S)
         # the live workers were aborted: their step calls end within milliseconds, or within
         # seconds on a loaded machine; one that still runs after that is stuck and replaced
         ray.wait([refs[c] for c in answered], num_returns=len(answered), timeout=10.0)
@@ -78,7 +95,7 @@ class Reshaper:
             (alive if done else stuck)[c] = h
         dead = set(g.workers) - set(alive) - set(stuck)
         nodes = {g.node_of(c) for c in dead}
-        self.suspect |= nodes
+        self._suspect.update({n: time.monotonic() for n in nodes if n})
         reason = (f"lost {', '.join(cell_name(c) for c in sorted(dead))} ({lost.failure})" if dead
                   else str(lost.failure))
         return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time)
@@ -103,7 +120,7 @@ class Reshaper:
         for c in dead:
             node = self.group.node_of(c)
             if node:
-                self.suspect.add(node)
+                self._suspect[node] = time.monotonic()
             kill(handles.pop(c))
         return dead
 

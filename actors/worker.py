@@ -20,6 +20,7 @@ state (actors/state.py: ``has_state``) is simply built.
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import threading
@@ -90,6 +91,7 @@ class StageWorker:
         self.bounds: list = []
         self.copies = KeptCopies()  # other stages' state (this worker is their peer) and its own, by step
         self._aborted: Optional[int] = None
+        gc.freeze()  # torch's and Ray's objects live on: gc.collect skips them (see Group.leave)
 
     @property
     def gen(self) -> int:

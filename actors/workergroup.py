@@ -250,10 +250,17 @@ class WorkerGroup:
             pings[k] = w.ping.remote()
         return pings
 
-    def answering(self, handles: dict, timeout: float) -> tuple[dict, set]:
-        """Which of ``handles`` answer a ping within ``timeout``: (alive by cell, silent cells)."""
+    def answering(self, handles: dict, timeout: float, silent: set = frozenset(),
+                  silent_until: float = 0.0) -> tuple[dict, set]:
+        """Which of ``handles`` answer a ping within ``timeout``: (alive by cell, silent cells).
+        The cells in ``silent`` (already silent to an earlier ping) are waited for only until
+        the time ``silent_until``."""
         pings = {c: h.ping.remote() for c, h in handles.items()}
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=timeout)
+        sure = [ref for c, ref in pings.items() if c not in silent]
+        ray.wait(sure, num_returns=len(sure), timeout=timeout)
+        rest = [ref for c, ref in pings.items() if c in silent]
+        if rest:
+            ray.wait(rest, num_returns=len(rest), timeout=max(0.0, silent_until - time.time()))
         alive, silent = {}, set()
         for c, ref in pings.items():
             try:

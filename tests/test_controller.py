@@ -146,3 +146,14 @@ def test_policy_table(sit, want):
         assert (d.shape.dp, d.shape.pp) == want[1]
     if isinstance(d, policy.Fail):
         assert d.reason.endswith("gave up after elastic.wait_timeout_s=10 s")
+
+
+def test_a_node_that_lost_workers_counts_again_once_dead_or_still_alive_after_a_while():
+    import time
+
+    from actors.reshape import SUSPECT_S, Reshaper
+
+    r = Reshaper(None, None, 1, set())
+    now = time.monotonic()
+    r._suspect = {"slow": now - SUSPECT_S - 1, "lost": now, "dead": now}
+    assert r.suspect(alive={"slow", "lost"}) == {"lost"}  # "dead" is gone from the view anyway

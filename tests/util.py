@@ -152,7 +152,7 @@ class FakeReshaper(Reshaper):
         dead = {c for c in self.group.workers if self.group.node_of(c) not in self.group.cluster.nodes}
         alive = {c: h for c, h in self.group.workers.items() if c not in dead}
         nodes = {self.group.node_of(c) for c in dead}
-        self.suspect |= nodes
+        self._suspect.update({n: time.monotonic() for n in nodes if n})
         return Move(f"lost {sorted(dead)} ({lost.failure})", keep=alive, donors=alive, exclude=nodes, forced=True,
                     detected=lost.time)
 
