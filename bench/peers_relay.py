@@ -30,6 +30,8 @@ class GatedScheduler(JobScheduler):
         self._allowed = 0
         self._rows: list[dict] = []
         self._gate = threading.Condition()
+        self._engine_commit = self.controller._commit
+        self.controller._commit = self._gated_commit
 
     def engine(self) -> str:
         """Where this process imported the engine from (checks an A/B run uses what it says)."""
@@ -49,31 +51,36 @@ class GatedScheduler(JobScheduler):
         deadline = time.monotonic() + timeout
         with self._gate:
             while len(self._rows) < steps and time.monotonic() < deadline:
-                if self.state in (JobState.FAILED, JobState.CANCELLED):
+                if self.record.state in (JobState.FAILED, JobState.CANCELLED):
                     break
                 self._gate.wait(0.5)
-            return {"rows": list(self._rows[:steps]), "state": self.state.value, "error": self.error}
+            return {"rows": list(self._rows[:steps]), "state": self.record.state.value, "error": self.record.error}
 
     def params(self) -> dict:
         """The whole model's parameters at the step the job is held at."""
         with self._gate:
             committed = len(self._rows)
-        return self._collect_state(committed)[0]
+        g, out = self.group, {}
+        for s in range(g.shape.pp):
+            state = ray.get(g.workers[(0, s)].export.remote(sorted(g.layers_of((0, s))), committed))
+            out.update(state["model"])
+        return out
 
-    def _metrics_row(self, step: int, stats: dict, wall: float, B: int) -> dict:
-        row = super()._metrics_row(step, stats, wall, B)
+    def _gated_commit(self, step: int, stats: dict, wall: float) -> None:
         span = max(s["end"] for s in stats.values()) - min(s["start"] for s in stats.values())
         extra = {"work_span_s": span,
                  "dispatched": time.time() - wall,  # ~ when the scheduler sent the step's calls
                  "workers": {f"w{r}.{s}": {k: st.get(k) for k in ("called", "settled", "busy", "start", "pipe_end",
                                                                    "end", "allreduce_s")}
                              for (r, s), st in sorted(stats.items())}}
+        self._engine_commit(step, stats, wall)
+        row = self.record.metrics[-1]
         with self._gate:
             self._rows.append({**row, **extra})
             self._gate.notify_all()
-            while self._allowed <= step + 1 < self.spec.training.steps and not self._cancel.is_set():
+            while (self._allowed <= step + 1 < self.spec.training.steps
+                   and not self.controller.cancelled.is_set()):
                 self._gate.wait(1.0)
-        return row
 
 
 class Relaytrain:
