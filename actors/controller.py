@@ -104,25 +104,19 @@ class JobController:
             p = self.spec.parallelism
             sizes = partition.choose(p.partition, self.layers.facts.layers, p.pp,
                                      self.layers.facts.seconds if self.layers.profiled else None)
-            shape, why = self._model(p.dp, p.pp, sizes), "the spec's shape"
+            shape = planner.model_shape(self.layers.facts, p.dp, p.pp, self.spec.microbatches, schedule=p.schedule,
+                                        transport=p.transport, optimizer=self.spec.optimizer.name,
+                                        partition_rule=list(sizes))
+            why = "the spec's shape"
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
-        self.reshaper.install(shape, why, {}, start, self._boundary(shape), copy=copy, donors={})
+        self.reshaper.install(shape, why, {}, start, self.layers.boundary(shape), copy=copy, donors={})
         self._announce(shape, why)
         if copy:
             self.record.go_back(start)
             self.record.event("resumed", f"resumed from {copy['path']} at step {start}", checkpoint=copy["path"],
                               step=start)
         return Running(start)
-
-    def _model(self, dp: int, pp: int, sizes) -> planner.Shape:
-        p = self.spec.parallelism
-        return planner.model_shape(self.layers.facts, dp, pp, self.spec.microbatches, schedule=p.schedule,
-                                   transport=p.transport, optimizer=self.spec.optimizer.name,
-                                   partition_rule=list(sizes))
-
-    def _boundary(self, shape: planner.Shape) -> list:
-        return [self.layers.metas[hi - 1] for _, hi in shape.bounds]
 
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
                    joined: int = 0) -> policy.Situation:
@@ -268,7 +262,7 @@ class JobController:
             return Running(self.record.step)
         move.phases["plan_s"] = move.phases.get("plan_s", 0.0) + time.time() - t
         try:
-            self.installed = self.reshaper.carry_out(move, d.shape, d.reason, self._boundary(d.shape))
+            self.installed = self.reshaper.carry_out(move, d.shape, d.reason, self.layers.boundary(d.shape))
         except JobFailure as e:
             dead = self.reshaper.drop_dead(move.keep) | self.reshaper.drop_dead(move.donors)
             if state.attempt == 2 or not dead:

@@ -18,6 +18,10 @@ class Layers:
     profiled: bool         # the costs were declared or estimated (else all zero)
     on_meta: bool          # traced on the meta device (else run once for real: a small model)
 
+    def boundary(self, shape: planner.Shape) -> list:
+        """(shape, dtype) of what each stage of ``shape`` sends on."""
+        return [self.metas[hi - 1] for _, hi in shape.bounds]
+
 
 def learn(spec: JobSpec, search: list[str]) -> Layers:
     """The pre-flight check (service/loading.py) and what it traced."""
