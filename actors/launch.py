@@ -2,6 +2,7 @@
 (actors/runner.py) and the control plane (api/jobs.py) share."""
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
@@ -47,8 +48,11 @@ def upload_runtime_env(env: dict) -> dict:
 
     env = dict(env)
     scratch = tempfile.mkdtemp(prefix="relaytrain-pkg-")
-    env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
-    env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    try:
+        env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+        env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    finally:  # the packages are in Ray's store now
+        shutil.rmtree(scratch, ignore_errors=True)
     env.pop("excludes", None)
     return env
 

@@ -42,17 +42,32 @@ class TiedGrads:
         return bool(self.held)
 
     def finish(self, step: int, transport) -> None:
+        """In place, with one temporary (the received sum) per other stage: the copies'
+        gradients are added into the first copy's, that sum goes to the other stages, their
+        sums are added in stage order, and the total is copied to this stage's other copies."""
         for h in self.held:
-            local = _sum([_grad(p) for p in h.params])
-            sums = {self.pp_rank: local}
+            grads = [_grad(p) for p in h.params]
+            local = grads[0]
+            for g in grads[1:]:
+                local += g
             others = [s for s in h.stages if s != self.pp_rank]
-            for s in others:
-                transport.send_to(s, step, "tie", h.key, local)
-            for s in others:
-                sums[s] = transport.recv_from(s, step, "tie", h.key, (tuple(local.shape), local.dtype))
-            total = _sum([sums[s] for s in h.stages])
-            for p in h.params:
-                p.grad.copy_(total)
+            if others:
+                for s in others:
+                    transport.send_to(s, step, "tie", h.key, local)
+                got = {s: transport.recv_from(s, step, "tie", h.key, (tuple(local.shape), local.dtype))
+                       for s in others}
+                transport.finish_step()  # ``local`` is sent before it changes
+                if len(h.stages) == 2:
+                    local += got[others[0]]  # a + b == b + a, bit for bit
+                else:
+                    total = None
+                    for s in h.stages:  # stage order: every stage adds the same way
+                        t = local if s == self.pp_rank else got.pop(s)
+                        total = t.clone() if total is None else total.add_(t)
+                    local.copy_(total)
+                    del total
+            for g in grads[1:]:
+                g.copy_(local)
         if self.held:
             transport.finish_step()  # the sends are done before the step's result
 
@@ -61,10 +76,3 @@ def _grad(p: torch.Tensor) -> torch.Tensor:
     if p.grad is None:  # a copy this step did not use
         p.grad = torch.zeros_like(p)
     return p.grad
-
-
-def _sum(ts: list) -> torch.Tensor:
-    out = ts[0].clone()
-    for t in ts[1:]:
-        out += t
-    return out

@@ -341,8 +341,18 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
     params = list(params)
     if not params:  # a stage of parameter-free layers still gets an optimizer object
         params = [nn.Parameter(torch.zeros(0))]
+    kwargs = spec.optimizer.kwargs()
+    if (cls in (torch.optim.Adam, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs
+            and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+            and len({p.device.type for p in params}) == 1):
+        # one kernel per tensor and no temporaries: the default single-tensor Adam allocates two
+        # of each parameter's size (its sqrt and division), 2x the largest tensor at the peak
+        try:
+            return cls(params, **kwargs, fused=True)
+        except (TypeError, ValueError, RuntimeError):
+            pass  # an argument fused does not take: the user's arguments alone say what is wrong
     try:
-        return cls(params, **spec.optimizer.kwargs())
+        return cls(params, **kwargs)
     except (TypeError, ValueError) as e:
         raise SpecError(f"optimizer: {spec.optimizer.name} rejects its arguments "
                         f"{spec.optimizer.kwargs()}: {e}") from None
