@@ -233,35 +233,44 @@ class SharedMemorySum:
     """The data-parallel gradient SUM of one stage whose replicas all live on this node,
     through shared memory instead of gloo's TCP loopback.
 
-    A file in /dev/shm, mapped by every replica, holds one slot per replica of the stage's
-    flattened gradient, and each replica's ``.grad`` tensors are views into its own slot
-    (``attach`` zeroes it at the start of a step), so backward accumulates straight into
-    shared memory: no copy in, no separate result.  ``finish`` waits at a barrier of the
-    stage group (a gloo barrier, so an abort still wakes it); then replica r adds up chunk r
-    of every slot, in replica order, and writes that sum into chunk r of every slot; a second
-    barrier, and every slot holds the whole sum.  Each element is summed once, by one
-    replica, in one order, so the replicas stay bit-identical, and with 2 replicas the sum
-    equals gloo's exactly.  Memory: the stage's gradients once per replica, shared (before,
-    the slots were double-buffered and the sum went to a private buffer: 2 x dp + 1 copies).
-    The file is unlinked as soon as every replica has mapped it: nothing is left behind by a
-    crash.  ``create`` returns None (gloo is used) when the replicas are on different nodes,
-    the parameters are not all CPU tensors of one dtype, or /dev/shm has no room.
+    A file in /dev/shm holds one slot per replica of the stage's flattened gradient.  Each
+    replica maps the file and its ``.grad`` tensors are views into its own slot (``attach``
+    zeroes it at the start of a step), so backward accumulates straight into shared memory:
+    no copy in, no separate result.  ``finish`` waits at a barrier of the stage group (a gloo
+    barrier, so an abort still wakes it); then replica r adds up chunk r of every slot, in
+    replica order, and writes that sum into chunk r of every slot; a second barrier, and
+    every slot holds the whole sum.  Each element is summed once, by one replica, in one
+    order, so the replicas stay bit-identical, and with 2 replicas the sum equals gloo's
+    exactly.  The other replicas' slots are read and written with pread/pwrite in 4 MiB
+    pieces, never through the mapping, so a replica's resident memory holds its own
+    gradients once and no more (before: the slots were double-buffered, every one mapped,
+    and the sum went to a private buffer: 2 x dp + 1 copies).  The file is unlinked as soon
+    as every replica has opened it: nothing is left behind by a crash.  ``create`` returns
+    None (gloo is used) when the replicas are on different nodes, the parameters are not all
+    CPU tensors of one dtype, or /dev/shm has no room.
     """
 
     overlap = False  # summed after the backward, through the file
+
+    PIECE_BYTES = 4 << 20
 
     def __init__(self, params: list, group, rank: int, world: int, path: str):
         import torch
 
         self.params, self.group, self.rank, self.world = params, group, rank, world
-        n = sum(p.numel() for p in params)
-        self.slots = torch.from_file(path, shared=True, size=world * n, dtype=params[0].dtype).view(world, n)
+        self.n = n = sum(p.numel() for p in params)
+        dtype = params[0].dtype
+        self.fd = os.open(path, os.O_RDWR)
+        self.own = torch.from_file(path, shared=True, size=world * n, dtype=dtype)[rank * n:(rank + 1) * n]
         self.views, off = [], 0
         for p in params:
-            self.views.append(self.slots[rank, off:off + p.numel()].view_as(p))
+            self.views.append(self.own[off:off + p.numel()].view_as(p))
             off += p.numel()
+        self.esize = params[0].element_size()
         per = -(-n // world)
-        self.chunk = slice(min(n, rank * per), min(n, (rank + 1) * per))  # the elements this replica sums
+        self.chunk = (min(n, rank * per), min(n, (rank + 1) * per))  # the elements this replica sums
+        piece = max(1, min(self.chunk[1] - self.chunk[0], self.PIECE_BYTES // self.esize))
+        self.acc, self.buf = torch.empty(piece, dtype=dtype), torch.empty(piece, dtype=dtype)
 
     @classmethod
     def create(cls, params: list, group, rank: int, world: int, node: str, tag: str) -> Optional["SharedMemorySum"]:
@@ -301,7 +310,7 @@ class SharedMemorySum:
 
     def attach(self) -> None:
         """This step's gradients accumulate in this replica's slot."""
-        self.slots[self.rank].zero_()
+        self.own.zero_()
         for p, v in zip(self.params, self.views):
             p.grad = v
 
@@ -316,13 +325,44 @@ class SharedMemorySum:
                 v.copy_(p.grad)
                 p.grad = v
         dist.barrier(group=self.group)  # every slot is complete
-        c = self.chunk
-        total = self.slots[0, c]
-        for r in range(1, self.world):
-            total.add_(self.slots[r, c])
-        for r in range(1, self.world):
-            self.slots[r, c].copy_(total)
+        lo, hi = self.chunk
+        for start in range(lo, hi, self.acc.numel()):
+            k = min(hi, start + self.acc.numel()) - start
+            acc, buf = self.acc[:k], self.buf[:k]
+            for r in range(self.world):  # in replica order
+                part = self.own[start:start + k] if r == self.rank else self._read(r, start, buf)
+                if r == 0:
+                    acc.copy_(part)
+                else:
+                    acc.add_(part)
+            for r in range(self.world):
+                if r == self.rank:
+                    self.own[start:start + k].copy_(acc)
+                else:
+                    self._write(r, start, acc)
         dist.barrier(group=self.group)  # every chunk is summed: each slot holds the whole sum
 
+    def _offset(self, r: int, start: int) -> int:
+        return (r * self.n + start) * self.esize
+
+    def _read(self, r: int, start: int, buf):
+        import torch
+
+        got = os.preadv(self.fd, [buf.view(torch.uint8).numpy()], self._offset(r, start))
+        if got != buf.numel() * self.esize:
+            raise RuntimeError(f"shared-memory gradient sum: read {got} of {buf.numel() * self.esize} bytes")
+        return buf
+
+    def _write(self, r: int, start: int, acc) -> None:
+        import torch
+
+        data = acc.view(torch.uint8).numpy()
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.fd, data[done:], self._offset(r, start) + done)
+
     def close(self) -> None:
-        self.slots = None  # the mapping goes with the last reference
+        self.own = None  # the mapping goes with the last reference
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

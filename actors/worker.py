@@ -91,7 +91,8 @@ class StageWorker:
         self.bounds: list = []
         self.copies = KeptCopies()  # other stages' state (this worker is their peer) and its own, by step
         self._aborted: Optional[int] = None
-        gc.freeze()  # torch's and Ray's objects live on: gc.collect skips them (see Group.leave)
+        gc.collect()  # the imports' garbage goes; what lives on (torch's, Ray's objects) is frozen:
+        gc.freeze()   # later collections skip it (see Group.leave)
 
     @property
     def gen(self) -> int:
