@@ -1,0 +1,121 @@
+"""Peak memory of a job's processes, read from /proc while it runs (issue 15): each worker
+builds and holds only its stage, the scheduler holds no layer at all.
+
+The model is a GPT layer list of 89 M parameters (the whole model: 340 MiB of parameters,
+1.33 GiB with gradients and two Adam slots) at pp = 4, so a worker's share (about a quarter)
+and the whole model differ by hundreds of MiB, far above the noise of a few MiB.  The test
+reads VmHWM (the kernel's peak RSS) of every worker and of the scheduler from
+/proc/<pid>/status while the job runs, sampling every 50 ms; the processes are found by their
+Ray actor names and tell their pid and cell themselves (bench/memory.py's ``Sampler``).
+
+It fails on code that builds the whole model in each worker (a worker's peak before its first
+action, what configure built, would be the whole model's parameters: three to four times its
+stage's) or in the scheduler (its peak would grow by the model's parameters, and by their
+gradients when it profiles them), and on a worker that keeps more than its share in training.
+"""
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+
+from bench import memory
+from service.spec import parse_spec
+
+MiB = 2**20
+# an 8192 x 1280 token embedding (tied to the head: the first and the last stage hold a copy
+# each) and 4 blocks of 19.7 M parameters: 89.2 M distinct parameters
+MODEL = {"vocab_size": 8192, "seq_len": 16, "d_model": 1280, "n_heads": 10, "n_layers": 4}
+TINY = {"vocab_size": 96, "seq_len": 16, "d_model": 32, "n_heads": 4, "n_layers": 2}
+MBS, BATCH = 1, 4
+# What configure may hold beyond the layers it builds: their module objects, the optimizer,
+# the data reader (measured: the peak before the first action is the built bytes -1..+0 MiB).
+CONFIGURE_SLACK = 32 * MiB
+# What a running worker holds beyond the empty one (the base), 1.25 x its share and the
+# transients below: its process group, transport buffers and torch's thread pools (tiny-model
+# workers peak 8-12 MiB over the base), and glibc keeping freed gradient and activation blocks
+# below its mmap threshold for reuse (50 MiB for one block's stage: its step replayed with the
+# engine's StepRunner in one process, MALLOC_MMAP_THRESHOLD_ unset against set to 1 MiB); twice
+# that, for the noise of a shared machine.
+WORKER_SLACK = 128 * MiB
+# The scheduler's peak over its base (the same actor class, having pre-flighted a tiny model:
+# imports, meta trace, machine-speed probe): its worker group, record and polls.  A quarter of
+# one block's parameters (75 MiB).
+SCHEDULER_SLACK = 20 * MiB
+
+
+def spec_for(name: str, args: dict, tokens: str):
+    return parse_spec({
+        "name": name, "model": {"kind": "gpt", "args": args},
+        "data": {"kind": "tokens", "args": {"path": tokens, "seq_len": args["seq_len"], "dtype": "uint16"}},
+        "loss": "cross_entropy", "optimizer": {"name": "adamw", "lr": 1e-4},
+        "training": {"global_batch_size": BATCH, "microbatch_size": MBS, "steps": 2, "seed": 0},
+        "parallelism": {"dp": 1, "pp": 4, "schedule": "1f1b", "transport": "collective"},
+    })
+
+
+def test_each_process_holds_only_its_share(ray_session, tmp_path, monkeypatch):
+    from actors.runner import run_job
+
+    monkeypatch.setenv("RELAYTRAIN_MODEL_PT_MAX_MB", "0")  # the driver's one-file copy is not under test
+    tokens = str(tmp_path / "tokens.bin")
+    np.random.default_rng(0).integers(0, 96, size=1 << 14, dtype=np.uint16).tofile(tokens)
+    bases = memory.measure_base(spec_for("memory-tiny", TINY, tokens))  # an empty worker, a pre-flighted scheduler
+    base, sched_base = bases["base"], bases["scheduler"]
+
+    name = f"memory-{uuid.uuid4().hex[:6]}"
+    sampler = memory.Sampler(name, interval=0.05, pss_every=0)
+    sampler.start()
+    try:
+        final = run_job(spec=spec_for(name, MODEL, tokens), out=str(tmp_path / "out"), progress=False, record=False)
+    finally:
+        sampler.stop()
+    assert final["state"] == "SUCCEEDED"
+
+    layers = memory.gpt_layers(MODEL)
+    whole_params = 4 * memory.param_count(MODEL)       # float32 bytes of the distinct parameters
+    whole_state = memory.state_bytes(whole_params)
+    tie_bytes = 4 * MODEL["vocab_size"] * MODEL["d_model"]
+    holders = {0, MODEL["n_layers"] + 2}                 # the embedding and the head hold the tie
+    live = final["metrics"][-1]["peak_live"]
+    first_action = {}
+    for entry in final["timelines"]:
+        for cell, acts in entry["workers"].items():
+            first_action[cell] = min(first_action.get(cell, float("inf")), acts[0][1])
+    workers = sampler.workers()
+    assert sorted(tuple(w["cell"]) for w in workers) == [(0, s) for s in range(4)], sampler.actors
+    report = []
+    for w in workers:
+        s = w["cell"][1]
+        lo, hi = w["layers"] or memory.shape_bounds(final["events"])[s]
+        held = set(range(lo, hi))
+        params = sum(layers[i]["param_bytes"] for i in held)
+        share = memory.state_bytes(params) + live[s] * memory.activation_bytes(MODEL, MBS, lo, hi)
+        # transients sized by one tensor, not by the stage: autograd's fresh buffer for a
+        # gradient it then adds into the held one (1x the largest parameter), and
+        # actors/ties.py's received sum of the tied gradient (1x the tie); fused AdamW (the
+        # default) allocates none (the single-tensor one allocated 2x the largest parameter)
+        largest = max(layers[i]["largest"] for i in held)
+        tied = tie_bytes if held & holders else 0
+        transients = tied + largest
+        # configure builds the stage's layers; the last stage also builds layer 0 for a moment,
+        # to copy the tied weight's initial value (service/loading.py ModelRecipe.copy_tied_init)
+        built = params + (layers[0]["param_bytes"] if tied and lo > 0 else 0)
+        before = [hwm for t, _rss, hwm, _anon, _shm in sampler.series[w["pid"]] if t < first_action[f"w0.{s}"]]
+        assert before, f"worker {s}: no memory sample before its first action"
+        configured, peak = max(before) - base, w["peak"] - base
+        report.append(f"w0.{s} layers {lo}-{hi - 1}: over the base {base / MiB:.0f} MiB, configure {configured / MiB:.0f} "
+                      f"MiB (built {built / MiB:.0f}), peak {peak / MiB:.0f} MiB (share {share / MiB:.0f}, transients "
+                      f"{transients / MiB:.0f}); the whole model: {whole_params / MiB:.0f} MiB of parameters, "
+                      f"{whole_state / MiB:.0f} MiB of state")
+        assert configured < 1.25 * built + CONFIGURE_SLACK, report[-1]
+        assert configured < 0.6 * whole_params, report[-1]
+        assert peak < 1.25 * share + transients + WORKER_SLACK, report[-1]
+        assert peak < 0.6 * whole_state, report[-1]
+    sched = sampler.scheduler()
+    assert sched is not None, sampler.actors
+    report.append(f"scheduler: peak {sched['peak'] / MiB:.0f} MiB, its base {sched_base / MiB:.0f} MiB; "
+                  f"one block's parameters {layers[1]['param_bytes'] / MiB:.0f} MiB")
+    print("\n".join(report))
+    assert sched["peak"] < sched_base + SCHEDULER_SLACK, report[-1]
+    assert SCHEDULER_SLACK < layers[1]["param_bytes"] / 3
