@@ -77,10 +77,19 @@ class LossSpec(_Strict):
     _ok_path = field_validator("builder")(classmethod(lambda cls, v: _check_import_path(v)))
 
 
+class ScheduleSpec(_Strict):
+    name: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="after the warm-up: 'constant' keeps lr, 'linear' and 'cosine' decay it to min_lr at "
+                                "the last step")
+    warmup_steps: int = Field(0, ge=0, description="steps over which the rate rises linearly to lr (lr x s / W)")
+    min_lr: float = Field(0.0, ge=0, description="the rate at the last step for 'linear' and 'cosine'")
+
+
 class OptimizerSpec(BaseModel):
     model_config = ConfigDict(extra="allow")
     name: str = Field(..., description="sgd, adam or adamw; other fields are torch.optim arguments (lr, momentum, ...)")
-    lr: float = Field(0.001, gt=0, description="learning rate")
+    lr: float = Field(0.001, gt=0, description="learning rate (the peak, with a schedule)")
+    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="the learning rate per step")
 
     @field_validator("name")
     @classmethod
@@ -100,6 +109,17 @@ class TrainingSpec(_Strict):
     steps: int = Field(..., ge=1, description="optimizer steps to train")
     seed: int = Field(0, ge=0, description="seeds the initial parameters and the sample order")
     shuffle: bool = Field(True, description="a new permutation of the data each epoch")
+    grad_clip_norm: Optional[float] = Field(
+        None, gt=0, description="scale the gradients so that their total L2 norm over the whole model (every stage "
+                                "and replica; a tied parameter counted once) is at most this")
+    precision: Literal["fp32", "bf16"] = Field(
+        "fp32", description="'bf16': forward and backward under bf16 autocast; weights, gradients, their sum and the "
+                            "optimizer state stay fp32")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each layer's forward in its backward instead of keeping its inner activations")
+    skip_nonfinite: bool = Field(
+        False, description="skip (on every worker) a step whose gradient norm is inf or NaN, and go on; without it "
+                           "such a step fails the job")
 
     @model_validator(mode="after")
     def _divides(self):
@@ -170,6 +190,13 @@ class CheckpointSpec(_Strict):
     keep: int = Field(3, ge=1, description="how many recent checkpoints to keep")
 
 
+class EvalSpec(_Strict):
+    every_steps: int = Field(..., ge=1, description="evaluate after every N committed steps (and after the last)")
+    data: DataSpec = Field(..., description="the evaluation data, given like the job's data")
+    batches: int = Field(1, ge=1, description="batches of training.global_batch_size samples: the first "
+                                              "batches x B samples of the eval data, in order")
+
+
 class JobSpec(_Strict):
     name: str = Field(..., min_length=1, max_length=63, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
                       description="job name: letters, digits, '-', '_', '.'")
@@ -182,6 +209,7 @@ class JobSpec(_Strict):
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    eval: Optional[EvalSpec] = Field(None, description="a validation loss every N steps, with the committed parameters")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")
 
     @model_validator(mode="after")
@@ -192,6 +220,10 @@ class JobSpec(_Strict):
                 f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"parallelism.dp x training.microbatch_size ({p.dp} x {t.microbatch_size} = "
                 f"{p.dp * t.microbatch_size}): change the batch size, the microbatch size or dp")
+        w = self.optimizer.schedule.warmup_steps
+        if w > t.steps:
+            raise ValueError(f"optimizer.schedule.warmup_steps ({w}) is above training.steps ({t.steps}): the rate "
+                             "would never reach lr; use fewer warm-up steps")
         e = self.elastic
         if e.enabled and not e.min_workers <= p.dp * p.pp <= e.max_workers:
             raise ValueError(
