@@ -7,6 +7,7 @@ says Keep, Reshape, Wait or Fail from what the controller sees; the worker group
 calls, the reshaper moves state, the state keeper holds the copies, the record reports."""
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -23,6 +24,7 @@ from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
 from service import elastic_policy as policy
 from service import partition, planner
+from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 
 
@@ -175,7 +177,15 @@ class JobController:
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches,
-                          reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high)
+                          reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
+                          lr=lr_at(spec, step + 1))
+        if not math.isfinite(row["grad_norm"]) and not row.get("skipped"):
+            raise JobFailure(f"step {step + 1}: the gradient norm is {row['grad_norm']} (the loss was {row['loss']:.6g}); "
+                             "set training.skip_nonfinite: true to skip such steps, or lower optimizer.lr or set "
+                             "training.grad_clip_norm")
+        if row.get("skipped"):
+            rec.event("skipped_step", f"step {step + 1} skipped: its gradient norm is {row['grad_norm']}; no "
+                                      "parameter changed", step=step + 1)
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:
             self._reshaped(step + 1)

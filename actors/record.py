@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import threading
+import math
 import time
 from typing import Any, Optional
 
@@ -124,20 +125,29 @@ class JobRecord:
             self.sink.write(logs=rows)
 
 
+def grad_norm(stats: dict) -> float:
+    """The whole model's gradient norm (before clipping) from every worker's step result: as
+    the workers summed it, or from their shares."""
+    summed = [s["grad_norm"] for s in stats.values() if s.get("grad_norm") is not None]
+    return summed[0] if summed else math.sqrt(sum(s.get("grad_sq", 0.0) for s in stats.values()))
+
+
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
-                microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool) -> dict:
+                microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float) -> dict:
     """The metrics row of committed step ``step + 1`` from every worker's step result."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
+    skipped = any(s.get("skipped") for s in stats.values())
     utils = []
     for r in range(dp):
         cells = [stats[(r, s)] for s in range(pp)]
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (pp * span) if span > 0 else 1.0)
     ideal = float(schedules.simulate(schedules.build(schedule, pp, microbatches // dp)).bubble)
-    return {"step": step + 1, "loss": loss, "time": time.time(), "samples_per_s": batch / wall,
+    return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
+            "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
             "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
-            **({"rerun": True} if rerun else {})}
+            **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {})}

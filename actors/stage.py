@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 try:  # torch's split backward (input gradient first, weight gradients after), as its zero-bubble schedules use
     from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
@@ -111,13 +113,29 @@ class _Progress:
     timeline: list = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """How a stage computes (the spec's training recipe, service/spec.py TrainingSpec)."""
+
+    bf16: bool = False            # forward and loss under bf16 autocast
+    checkpointing: bool = False   # each layer's forward recomputed in its backward
+    global_norm: bool = False     # sum the gradient norm over every worker (clipping, skipping)
+    device: torch.device = torch.device("cpu")
+
+
 class StepRunner:
     """Runs a cell's actions for one step; built anew whenever the worker's wiring changes."""
 
     def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
-                 loss_fn: Optional[Callable], scale: float, ties=None):
+                 loss_fn: Optional[Callable], scale: float, ties=None, recipe: Recipe = Recipe(),
+                 norm_params: Optional[list] = None):
         self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
         self.loss_fn, self.scale, self.ties = loss_fn, scale, ties  # ties: actors/ties.TiedGrads
+        self.recipe = recipe
+        # the parameters whose gradients count in the model's norm: a tie's copies but its first
+        # name's are left out (one parameter), and only replica 0 counts (the replicas agree)
+        self.norm_params = (norm_params if norm_params is not None else list(stage.parameters())) \
+            if cell.dp_rank == 0 else []
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
         c, tr, reduce = self.cell, self.tr, self.reduce
@@ -141,12 +159,37 @@ class StepRunner:
         if self.ties:
             with talking_to_peers(f"summing the gradients of tied parameters of step {step + 1} with other stages"):
                 self.ties.finish(step, tr)
+        grad_sq, total = self._grad_norm(step)
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
         return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "loss": float(p.loss_sum) if c.last else None,
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
-                "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline}
+                "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
+                "grad_sq": grad_sq, "grad_norm": total}
+
+    def _grad_norm(self, step: int) -> tuple[float, Optional[float]]:
+        """This worker's share of the squared gradient norm, and with ``global_norm`` the whole
+        model's norm (summed over every worker of the shape: every worker gets the same)."""
+        sq = torch.zeros((), dtype=torch.float64, device=self.recipe.device)
+        for q in self.norm_params:
+            if q.grad is not None:  # each tensor's norm in its dtype (no copy), as clip_grad_norm_
+                sq += torch.linalg.vector_norm(q.grad).double() ** 2
+        if not self.recipe.global_norm:
+            return float(sq), None
+        with talking_to_peers(f"summing the gradient norm of step {step + 1} over every worker"):
+            mine = float(sq)
+            dist.all_reduce(sq)
+        return mine, float(sq.sqrt())
+
+    def _compute(self, inp: torch.Tensor) -> torch.Tensor:
+        """The stage's layers on one microbatch, each recomputed in backward with checkpointing."""
+        if not self.recipe.checkpointing:
+            return self.stage(inp)
+        h = inp
+        for layer in self.stage:
+            h = checkpoint(layer, h, use_reentrant=False)
+        return h
 
     def _forward(self, a, step: int, g: int, xs, ys, p: _Progress) -> tuple[float, float]:
         c, tr = self.cell, self.tr
@@ -158,9 +201,11 @@ class StepRunner:
             if inp.is_floating_point():
                 inp.requires_grad_()
         t0 = time.time()
-        out = self.stage(inp)
+        with torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16):
+            out = self._compute(inp)
+            if c.last:
+                out = self.loss_fn(out, ys[a.mb]) * self.scale
         if c.last:
-            out = self.loss_fn(out, ys[a.mb]) * self.scale
             p.loss_sum += out.detach().double().cpu()
         t1 = time.time()
         p.stash[a.mb] = (inp, out)
@@ -194,7 +239,7 @@ class StepRunner:
         if reduce is not None and final:
             with talking_to_peers("arming the gradient sum"):
                 reduce.arm()  # the gradients become final in this backward: all-reduce as they do
-        split = (final and not c.first and inp.requires_grad and out.requires_grad
+        split = (final and not c.first and inp.requires_grad and out.requires_grad and not self.recipe.checkpointing
                  and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
         if split:
             # the previous stage's last backward waits for this input gradient: send it

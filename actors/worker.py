@@ -35,13 +35,14 @@ from actors.collectives import GradBuckets, Group, SharedMemorySum
 from actors.copies import KeptCopies
 from actors.failures import talking_to_peers
 from actors.output import OutputTap
-from actors.stage import Cell, GradientReducer, StepRunner, Transport
+from actors.stage import Cell, GradientReducer, Recipe, StepRunner, Transport
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
                           optimizer_state_by_name)
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from actors.ties import TiedGrads
 from service import checkpoint, shards
 from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
+from service.recipe import lr_at, needs_global_norm, step_update
 from service.sampling import step_indices
 from service.spec import JobSpec
 from service.store import Store
@@ -91,6 +92,7 @@ class StageWorker:
         self.bounds: list = []
         self.copies = KeptCopies()  # other stages' state (this worker is their peer) and its own, by step
         self._aborted: Optional[int] = None
+        self.update: tuple[float, bool] = (1.0, False)  # the pending step's (clip factor, skipped)
         gc.collect()  # the imports' garbage goes; what lives on (torch's, Ray's objects) is frozen:
         gc.freeze()   # later collections skip it (see Group.leave)
 
@@ -111,11 +113,26 @@ class StageWorker:
         is committed, drop it otherwise (a discarded step)."""
         if self.pending is not None and self.optimizer is not None:
             if self.pending == committed - 1:
-                self.optimizer.step()
+                self._update(self.pending)
                 self.applied = committed
             self.pending = None
         if self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+
+    def _update(self, step: int) -> None:
+        """The optimizer step of 0-based ``step``: skipped when its gradient norm was not
+        finite (training.skip_nonfinite), else clipped and at the step's learning rate."""
+        coef, skip = self.update
+        if skip:
+            return
+        if coef < 1.0:
+            for q in self.stage.parameters():
+                if q.grad is not None:
+                    q.grad.mul_(coef)
+        lr = lr_at(self.spec, step + 1)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.step()
 
     def commit(self, committed: int) -> int:
         with self._lock:
@@ -331,7 +348,13 @@ class StageWorker:
         else:
             self.transport = ObjectStoreTransport(self.inbox, row, c.pp_rank, self.device, self.timeout, self.gen)
         ties = TiedGrads(self.recipe.tied, self.stage, self.bounds, c.pp_rank)
-        self.runner = StepRunner(c, self.stage, self.transport, self.buckets, self.loss_fn, self.mbs / self.B, ties)
+        t = self.spec.training
+        recipe = Recipe(bf16=t.precision == "bf16", checkpointing=t.activation_checkpointing,
+                        global_norm=needs_global_norm(self.spec), device=self.device)
+        copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
+        norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
+        self.runner = StepRunner(c, self.stage, self.transport, self.buckets, self.loss_fn, self.mbs / self.B, ties,
+                                 recipe, norm_params)
         return True
 
     def _stage_reducer(self) -> GradientReducer:
@@ -396,6 +419,8 @@ class StageWorker:
             c = self.cell
             xs, ys = self._my_batch(step) if (c.first or c.last) else (None, None)
             result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None)
+            self.update = step_update(self.spec, result["grad_norm"])
+            result["skipped"] = self.update[1]
             self.pending = step
             return dict(result, called=called, settled=settled, output=self.output.take())
         except BaseException:

@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from actors.failures import JobCancelled, JobFailure, cell_name, kind_of, step_failure
 from actors.worker import StageWorker
 from service import names, planner
+from service.recipe import needs_global_norm
 from service.spec import JobSpec
 
 Cell = tuple  # (dp_rank, pp_rank); workers started for a scale-up are keyed ("joining", gen, i)
@@ -165,7 +166,7 @@ class WorkerGroup:
 
     def _connect(self, shape: planner.Shape, phase: str) -> None:
         p = self.spec.parallelism
-        need_group = p.transport == "collective" or shape.dp > 1
+        need_group = p.transport == "collective" or shape.dp > 1 or needs_global_norm(self.spec)
         rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
         conns = {(r, s): w.connect.remote(p.transport, tuple(self.workers[(r, t)] for t in range(shape.pp)),
                                           rdzv, shape.workers)

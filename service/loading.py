@@ -416,7 +416,7 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     samples = build_data(spec, search)
     x, y = first_microbatch(spec, samples)
     return tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
-                         build_loss(spec, search))
+                         build_loss(spec, search), bf16=spec.training.precision == "bf16")
 
 
 def search_dirs(spec_dir: Optional[str]) -> list[str]:

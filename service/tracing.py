@@ -10,6 +10,8 @@ small (``REAL_RUN_MAX_BYTES``); a larger one is refused with the reason.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import statistics
 import time
 from dataclasses import dataclass
@@ -36,9 +38,42 @@ class Trace:
 
 
 def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
-          loss: Callable) -> Trace:
+          loss: Callable, bf16: bool = False) -> Trace:
     """Run one microbatch (``x``, ``y``) through the layers ``layers_on(device)`` builds, then
-    the loss; raises :class:`SpecError` saying what failed."""
+    the loss; raises :class:`SpecError` saying what failed.  With ``bf16`` the output dtypes
+    are those under bf16 autocast (what crosses a stage boundary)."""
+    t = _trace(layers_on, count, x, y, loss)
+    if bf16:
+        t = dataclasses.replace(t, metas=[(shape, dtype) for (shape, _), dtype
+                                          in zip(t.metas, _autocast_dtypes(layers_on, count, x, t.on_meta))])
+    return t
+
+
+def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor,
+                     on_meta: bool) -> list:
+    """Each layer's output dtype under bf16 autocast.  The meta device ignores autocast, so the
+    layers run on fake CPU tensors (shapes and dtypes, no storage; torch's FakeTensorMode), or
+    for real when the model was run for real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True) if on_meta else contextlib.nullcontext()
+    dtypes = []
+    with mode:
+        layers = layers_on("cpu")
+        h = mode.from_tensor(x) if on_meta else x
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            for i in range(count):
+                try:
+                    h = layers[i](h)
+                except Exception as e:
+                    raise SpecError(f"layer {i} ({type(layers[i]).__name__}) fails under bf16 autocast "
+                                    f"(training.precision: bf16): {type(e).__name__}: {e}") from None
+                dtypes.append(h.dtype)
+    return dtypes
+
+
+def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
+           loss: Callable) -> Trace:
     metas = layers_on("meta")
     size = sum(_param_bytes(metas[i]) for i in range(count))
     try:
