@@ -42,7 +42,7 @@ from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 from actors.ties import TiedGrads
 from service import checkpoint, shards
 from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
-from service.recipe import lr_at, needs_global_norm, step_update
+from service.recipe import check_precision, lr_at, needs_global_norm, step_update
 from service.sampling import step_indices
 from service.spec import JobSpec
 from service.store import Store
@@ -70,6 +70,7 @@ class StageWorker:
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
         gpus = self.spec.resources.gpus_per_worker or 0
         self.device = torch.device("cuda") if gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
+        check_precision(self.spec, gpus=self.device.type == "cuda")  # this node's hardware runs the recipe
         t = self.spec.training
         self.mbs, self.B = t.microbatch_size, t.global_batch_size
         self.cell: Optional[Cell] = None   # where this worker stands in the current shape

@@ -20,6 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from service import builtins, tracing
+from service.recipe import check_precision
 from service.spec import JobSpec, LossSpec, SpecError
 
 
@@ -413,6 +414,8 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     return, layer count against pp, optimizer arguments, and one microbatch through the
     model and the loss, on the meta device (no memory; see service/tracing.py)."""
     rec = check_structure(spec, search)
+    if not spec.resources.gpus_per_worker:  # GPU workers check their own device (actors/worker.py)
+        check_precision(spec, gpus=False)
     samples = build_data(spec, search)
     x, y = first_microbatch(spec, samples)
     return tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,

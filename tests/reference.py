@@ -5,18 +5,35 @@ parameters are ``torch.manual_seed(seed); builder()`` for an nn.Sequential build
 layer list layer i is built after ``torch.manual_seed(s_i)``, s_i from sha256 of
 "{seed}:{i}", into ``nn.Sequential(*layers)`` with each tie one shared parameter; step g of epoch e uses positions
 [s*B, (s+1)*B) of the epoch's order, and the loss is the mean over the global batch.
+
+The training recipe (issue 16), per step s (1-based): every param_group's lr is
+``lr_at(spec, s)``; the gradient norm is the total L2 norm over the model's parameters (a tied
+parameter is one parameter here, so it counts once); a non-finite norm skips the step
+(``training.skip_nonfinite``) or raises :class:`FloatingPointError` naming the step; with
+``training.grad_clip_norm`` every gradient is scaled as ``clip_grad_norm_`` does; ``bf16``
+runs forward and loss under ``torch.autocast`` (backward outside it, parameters, gradients and
+optimizer state fp32); ``activation_checkpointing`` wraps each entry of the Sequential in
+``checkpoint(layer, x, use_reentrant=False)``; ``eval`` takes the mean of the per-batch mean
+losses over the first ``batches x B`` eval samples in order, after every ``every_steps`` steps
+and after step ``training.steps``, with no grad, in ``model.eval()`` mode and under the same
+autocast as training.  A spec without these fields trains bit-identically to the loop before them.
 """
 from __future__ import annotations
+
+import contextlib
+import math
 
 import torch
 
 import hashlib
 
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from service import builtins
-from service.loading import build_data, build_loss, build_optimizer, import_object
-from service.spec import JobSpec
+from service.loading import Samples, build_data, build_loss, build_optimizer, import_object
+from service.recipe import lr_at
+from service.spec import JobSpec, SpecError
 
 
 def build(spec: JobSpec, search=()) -> nn.Sequential:
@@ -49,13 +66,33 @@ def epoch_order(n: int, seed: int, epoch: int, shuffle: bool) -> torch.Tensor:
 def train(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool = False) -> tuple[dict, list[float]]:
     """Parameters and losses after ``steps``.  ``microbatched``: the model sees one microbatch
     at a time (each loss scaled by mbs / B), for models whose output depends on the batch."""
+    out = run(spec, steps, search, microbatched)
+    return out["params"], out["losses"]
+
+
+def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool = False) -> dict:
+    """:func:`train` with the recipe's per-step figures.  Returns a dict:
+
+    - ``params``: ``{name: tensor}``, the state_dict after the last step (as :func:`train`);
+    - ``losses``: the loss of each step (mean over the global batch; a skipped step's too);
+    - ``lr``: the learning rate each step used, ``lr_at(spec, s)`` for s = 1, 2, ...;
+    - ``grad_norm``: each step's total gradient norm before clipping (inf or nan on a bad step);
+    - ``skipped``: the 1-based steps skipped for a non-finite norm (``training.skip_nonfinite``);
+    - ``eval``: ``{step: eval loss}`` for the steps evaluated (empty without ``eval``).
+
+    ``steps`` stops early; the schedule and the eval after the last step still refer to
+    ``training.steps``, so a shorter run is a prefix of the full one."""
     model = build(spec, search)
     samples, loss_fn = build_data(spec, search), build_loss(spec, search)
-    opt = build_optimizer(spec, model.parameters())
+    params = list(model.parameters())  # a tie is one parameter: counted once in the norm
+    opt = build_optimizer(spec, params)
     t = spec.training
     n, b = len(samples), t.global_batch_size
-    losses = []
+    amp = _autocast(spec, model)
+    eval_samples = eval_data(spec, search) if spec.eval is not None else None
+    out: dict = {"losses": [], "lr": [], "grad_norm": [], "skipped": [], "eval": {}}
     for g in range(t.steps if steps is None else steps):
+        step = g + 1
         e, s = divmod(g, n // b)
         idx = epoch_order(n, t.seed, e, t.shuffle)[s * b:(s + 1) * b]
         x, y = samples.batch(idx)
@@ -63,12 +100,80 @@ def train(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool
         if microbatched:
             m, loss = t.microbatch_size, torch.zeros(())
             for j in range(0, b, m):
-                part = loss_fn(model(x[j:j + m]), y[j:j + m]) * (m / b)
+                with amp():
+                    part = loss_fn(forward(model, x[j:j + m], t.activation_checkpointing), y[j:j + m]) * (m / b)
                 part.backward()
                 loss = loss + part.detach()
         else:
-            loss = loss_fn(model(x), y)
+            with amp():
+                loss = loss_fn(forward(model, x, t.activation_checkpointing), y)
             loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+        lr = lr_at(spec, step)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        out["losses"].append(loss.item())
+        out["lr"].append(lr)
+        out["grad_norm"].append(norm.item())
+        if not math.isfinite(norm.item()):
+            if not t.skip_nonfinite:
+                raise FloatingPointError(f"step {step}: the gradient norm is {norm.item()}; the step's loss is "
+                                         f"{loss.item()} (set training.skip_nonfinite: true to skip such steps)")
+            out["skipped"].append(step)
+        else:
+            if t.grad_clip_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip_norm, norm)
+            opt.step()
+        if eval_samples is not None and (step % spec.eval.every_steps == 0 or step == t.steps):
+            out["eval"][step] = evaluate(spec, model, eval_samples, loss_fn, microbatched)
+    out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return out
+
+
+def forward(model: nn.Sequential, x: torch.Tensor, checkpointing: bool = False) -> torch.Tensor:
+    """The model's output; with ``checkpointing`` each top-level entry is recomputed in backward."""
+    if not checkpointing:
+        return model(x)
+    for layer in model:
+        x = checkpoint(layer, x, use_reentrant=False)
+    return x
+
+
+def _autocast(spec: JobSpec, model: nn.Module):
+    """A factory of the forward's context: bf16 autocast on the parameters' device type, or nothing."""
+    if spec.training.precision != "bf16":
+        return contextlib.nullcontext
+    device = next((p.device.type for p in model.parameters()), "cpu")
+    return lambda: torch.autocast(device_type=device, dtype=torch.bfloat16)
+
+
+def eval_data(spec: JobSpec, search=()) -> Samples:
+    """The eval samples, built like the job's data (``eval.data``), holding ``batches x B``."""
+    samples = build_data(spec.model_copy(update={"data": spec.eval.data}), search)
+    need = spec.eval.batches * spec.training.global_batch_size
+    if len(samples) < need:
+        raise SpecError(f"eval.data gave {len(samples)} samples, fewer than eval.batches x "
+                        f"training.global_batch_size ({need}); lower eval.batches or give more eval data")
+    return samples
+
+
+def evaluate(spec: JobSpec, model: nn.Sequential, samples: Samples, loss_fn, microbatched: bool = False) -> float:
+    """The mean of the per-batch mean losses over the first ``eval.batches x B`` samples, in order."""
+    b, m = spec.training.global_batch_size, spec.training.microbatch_size
+    amp = _autocast(spec, model)
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    try:
+        with torch.no_grad():
+            for i in range(spec.eval.batches):
+                x, y = samples.batch(torch.arange(i * b, (i + 1) * b))
+                with amp():
+                    if microbatched:
+                        loss = sum(loss_fn(model(x[j:j + m]), y[j:j + m]).float() * (m / b) for j in range(0, b, m))
+                    else:
+                        loss = loss_fn(model(x), y)
+                total += loss.item()
+    finally:
+        model.train(was_training)
+    return total / spec.eval.batches
