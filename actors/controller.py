@@ -7,14 +7,13 @@ says Keep, Reshape, Wait or Fail from what the controller sees; the worker group
 calls, the reshaper moves state, the state keeper holds the copies, the record reports."""
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
 import traceback
 from typing import Callable, Optional
 
-from actors import layerfacts
+from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch
 from actors.failures import JobCancelled, JobFailure, WorkerLost
 from actors.jobstates import Cancelled, Failed, Finishing, Reshaping, Running, Starting, State, Succeeded
@@ -160,7 +159,18 @@ class JobController:
             failure = JobFailure(f"the off-node copy of step {self.keeper.wanted} could not be fetched from "
                                  "the workers (a node is going)")
             return self._lost(step, refs, WorkerLost(failure, set(), time.time()))
-        self._commit(step, stats, time.time() - t0)
+        wall = time.time() - t0
+        eval_loss = None
+        if evaluation.due(self.spec, step + 1):
+            refs = self.group.call_all("run_eval", step + 1)
+            try:
+                eval_loss = evaluation.collect(self.group, self.spec, refs, step, stats)
+            except WorkerLost as lost:  # the step stands: the workers applied it before evaluating
+                self._commit(step, stats, wall)
+                self.record.event("eval_skipped", f"the evaluation after step {step + 1} was lost with a worker",
+                                  step=step + 1)
+                return self._lost(step, refs, lost)
+        self._commit(step, stats, wall, eval_loss)
         return Running(step + 1)
 
     def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:
@@ -172,20 +182,16 @@ class JobController:
         move.phases.update(abort_s=abort_s, survey_s=time.time() - t)
         return Reshaping(move=move)
 
-    def _commit(self, step: int, stats: dict, wall: float) -> None:
+    def _commit(self, step: int, stats: dict, wall: float, eval_loss: Optional[float] = None) -> None:
         spec, rec, shape = self.spec, self.record, self.group.shape
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
                           lr=lr_at(spec, step + 1))
-        if not math.isfinite(row["grad_norm"]) and not row.get("skipped"):
-            raise JobFailure(f"step {step + 1}: the gradient norm is {row['grad_norm']} (the loss was {row['loss']:.6g}); "
-                             "set training.skip_nonfinite: true to skip such steps, or lower optimizer.lr or set "
-                             "training.grad_clip_norm")
-        if row.get("skipped"):
-            rec.event("skipped_step", f"step {step + 1} skipped: its gradient norm is {row['grad_norm']}; no "
-                                      "parameter changed", step=step + 1)
+        if eval_loss is not None:
+            row["eval_loss"] = eval_loss
+        rec.check_finite(row)
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:
             self._reshaped(step + 1)

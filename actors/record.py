@@ -4,11 +4,12 @@ job store as they happen.  The controller is the only caller of ``set_state``.""
 from __future__ import annotations
 
 import collections
-import threading
 import math
+import threading
 import time
 from typing import Any, Optional
 
+from actors.failures import JobFailure
 from actors.metrics import JobMetrics
 from actors.output import OutputTap
 from actors.store_sink import StoreSink
@@ -58,6 +59,18 @@ class JobRecord:
         """The state went back to an older copy: steps after ``committed`` run again."""
         with self._lock:
             self.step = committed
+
+    def check_finite(self, row: dict) -> None:
+        """A step whose gradient norm is not finite fails the job, or was skipped on every
+        worker (training.skip_nonfinite): then a ``skipped_step`` event says so."""
+        step = row["step"]
+        if row.get("skipped"):
+            self.event("skipped_step", f"step {step} skipped: its gradient norm is {row['grad_norm']}; no parameter "
+                                       "changed", step=step)
+        elif not math.isfinite(row["grad_norm"]):
+            raise JobFailure(f"step {step}: the gradient norm is {row['grad_norm']} (the loss was {row['loss']:.6g}); "
+                             "set training.skip_nonfinite: true to skip such steps, or lower optimizer.lr or set "
+                             "training.grad_clip_norm")
 
     def commit(self, row: dict, workers_timeline: dict) -> None:
         """Step ``row['step']`` committed: its metrics row and timeline."""

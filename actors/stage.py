@@ -168,6 +168,49 @@ class StepRunner:
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total}
 
+    def evaluate(self, step: int, xs: Optional[list], ys: Optional[list], batches: int,
+                 aborted: Callable[[], bool]) -> dict:
+        """Forwards only, with no gradients and the layers in eval mode, of this replica's
+        microbatches of ``batches`` evaluation batches (``xs[b][j]``, ``ys[b][j]``), pipelined
+        like a step's forwards.  The last stage returns its sum of microbatch losses, each
+        scaled by microbatch / batch size: the sum over replicas is the sum of batch means."""
+        c, tr = self.cell, self.tr
+        m = len(c.actions) // 2
+        ids = [b * m * c.dp + c.mb0 + j for b in range(batches) for j in range(m)]  # global eval microbatches
+        with talking_to_peers(f"starting the evaluation after step {step}"):
+            tr.begin_step(step, [("eval", g, c.in_meta) for g in ids] if not c.first else [])
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        timeline = []
+        was_training = self.stage.training
+        self.stage.eval()
+        try:
+            with torch.no_grad():
+                for k, g in enumerate(ids):
+                    b, j = divmod(k, m)
+                    if c.first:
+                        inp = xs[b][j]
+                    else:
+                        with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
+                            inp = tr.recv(step, "eval", g, c.in_meta)
+                    t0 = time.time()
+                    with torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16):
+                        out = self.stage(inp)
+                        if c.last:
+                            loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
+                    t1 = time.time()
+                    timeline.append((f"{c.pp_rank}E{g}", t0, t1))
+                    if not c.last:
+                        self._check_shape(out, g)
+                        with talking_to_peers(f"sending the evaluation activation of microbatch {g}"):
+                            tr.send(step, "eval", g, out)
+            with talking_to_peers(f"finishing the sends of the evaluation after step {step}"):
+                tr.finish_step()
+        finally:
+            self.stage.train(was_training)
+        if aborted():
+            raise StageAborted(f"the evaluation after step {step} was discarded")
+        return {"loss_sum": float(loss_sum) if c.last else None, "timeline": timeline}
+
     def _grad_norm(self, step: int) -> tuple[float, Optional[float]]:
         """This worker's share of the squared gradient norm, and with ``global_norm`` the whole
         model's norm (summed over every worker of the shape: every worker gets the same)."""

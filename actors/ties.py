@@ -42,20 +42,23 @@ class TiedGrads:
         return bool(self.held)
 
     def finish(self, step: int, transport) -> None:
-        """In place, with one temporary (the received sum) per other stage: the copies'
-        gradients are added into the first copy's, that sum goes to the other stages, their
-        sums are added in stage order, and the total is copied to this stage's other copies."""
+        """In place: the copies' gradients are added into the first copy's, that sum goes to
+        the other stages, their sums are added in stage order, and the total is copied to this
+        stage's other copies.  The temporaries: a 16 MiB piece when two stages hold the tie
+        (the usual embedding and head), else one received sum per other stage."""
         for h in self.held:
             grads = [_grad(p) for p in h.params]
             local = grads[0]
             for g in grads[1:]:
                 local += g
             others = [s for s in h.stages if s != self.pp_rank]
-            if others:
+            if len(others) == 1 and local.is_contiguous():
+                self._add_pairwise(step, transport, h.key, others[0], local.view(-1))
+            elif others:
+                k = piece_key(h.key, 0)
                 for s in others:
-                    transport.send_to(s, step, "tie", h.key, local)
-                got = {s: transport.recv_from(s, step, "tie", h.key, (tuple(local.shape), local.dtype))
-                       for s in others}
+                    transport.send_to(s, step, "tie", k, local)
+                got = {s: transport.recv_from(s, step, "tie", k, (tuple(local.shape), local.dtype)) for s in others}
                 transport.finish_step()  # ``local`` is sent before it changes
                 if len(h.stages) == 2:
                     local += got[others[0]]  # a + b == b + a, bit for bit
@@ -70,6 +73,28 @@ class TiedGrads:
                 g.copy_(local)
         if self.held:
             transport.finish_step()  # the sends are done before the step's result
+
+    @staticmethod
+    def _add_pairwise(step: int, transport, key: int, other: int, flat: torch.Tensor) -> None:
+        """Two stages hold the tie: each sends its sum and adds the other's, in pieces of
+        PIECE_BYTES (so the temporary is one piece, not the whole gradient).  a + b == b + a,
+        bit for bit, so both stages end with the same total."""
+        step_n = max(1, PIECE_BYTES // flat.element_size())
+        for i, lo in enumerate(range(0, flat.numel(), step_n)):
+            part = flat[lo:lo + step_n]
+            transport.send_to(other, step, "tie", piece_key(key, i), part)
+            got = transport.recv_from(other, step, "tie", piece_key(key, i), ((part.numel(),), part.dtype))
+            transport.finish_step()  # ``part`` is sent before it changes
+            part += got.view_as(part)
+
+
+PIECE_BYTES = 16 << 20
+
+
+def piece_key(key: int, piece: int) -> int:
+    """The transport key of piece ``piece`` of tie ``key``'s gradient (a tie has under 2**16
+    pieces: up to 1 TiB)."""
+    return (key << 16) | piece
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

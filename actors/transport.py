@@ -25,7 +25,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-KINDS = {"act": 0, "grad": 1, "tie": 2}  # "tie": a tied parameter's gradient, between any two stages
+KINDS = {"act": 0, "grad": 1, "tie": 2, "eval": 3}  # "tie": a tied parameter's gradient, between any two
+# stages; "eval": an evaluation's activation (forward only)
+FORWARD = ("act", "eval")  # kinds that flow to the next stage
 RECV_AHEAD = 2  # receives kept posted ahead of the one being waited for
 INLINE_PART = 96 * 1024    # Ray inlines call arguments up to 100 KiB serialized (max_direct_call_object_size)
 INLINE_MAX = 384 * 1024    # above this, one object-store object costs less than many inline parts (measured)
@@ -62,7 +64,7 @@ class Inbox:
                     raise RuntimeError(self.closed)
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    what = (f"the gradient of tied parameter group {key[2]}" if key[1] == "tie"
+                    what = (f"the gradient of tied parameter group {key[2] >> 16}" if key[1] == "tie"
                             else f"{key[1]} of microbatch {key[2]}")
                     raise TimeoutError(f"waited {timeout:.0f} s for {what} at step {key[0] + 1}; "
                                        "the other stage did not send it")
@@ -106,7 +108,7 @@ class ObjectStoreTransport:
         self.device, self.timeout, self.gen = device, timeout, gen
 
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        self.send_to(self.stage + 1 if kind == "act" else self.stage - 1, step, kind, mb, tensor)
+        self.send_to(self.stage + 1 if kind in FORWARD else self.stage - 1, step, kind, mb, tensor)
 
     def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None:
         shape, parts = to_wire(tensor)
@@ -146,7 +148,7 @@ class CollectiveTransport:
         return len(KINDS) * mb + KINDS[kind]
 
     def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        dst = self.next_rank if kind == "act" else self.prev_rank
+        dst = self.next_rank if kind in FORWARD else self.prev_rank
         t = tensor.detach().contiguous()
         self._pending.append((dist.isend(t, dst=dst, tag=self._tag(kind, mb)), t))
 
@@ -170,7 +172,7 @@ class CollectiveTransport:
         while self._expected and len(self._posted) < RECV_AHEAD:
             kind, mb, (shape, dtype) = self._expected.popleft()
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            src = self.prev_rank if kind == "act" else self.next_rank
+            src = self.prev_rank if kind in FORWARD else self.next_rank
             self._posted.append((kind, mb, dist.irecv(buf, src=src, tag=self._tag(kind, mb)), buf))
 
     def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
@@ -180,7 +182,7 @@ class CollectiveTransport:
             work.wait()
             return buf
         shape, dtype = like  # a receive nobody announced
-        src = self.prev_rank if kind == "act" else self.next_rank
+        src = self.prev_rank if kind in FORWARD else self.next_rank
         buf = torch.empty(shape, dtype=dtype, device=self.device)
         dist.recv(buf, src=src, tag=self._tag(kind, mb))
         return buf

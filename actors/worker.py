@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import gc
 import os
-import socket
 import threading
 import time
 from collections import OrderedDict
@@ -31,33 +30,23 @@ from typing import Optional
 import torch
 from torch import nn
 
-from actors.collectives import GradBuckets, Group, SharedMemorySum
 from actors.copies import KeptCopies
 from actors.failures import talking_to_peers
 from actors.output import OutputTap
-from actors.stage import Cell, GradientReducer, Recipe, StepRunner, Transport
+from actors.stage import Cell, Recipe, StepRunner
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
                           optimizer_state_by_name)
-from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
+from actors.transport import Inbox
 from actors.ties import TiedGrads
+from actors.wiring import Wiring, rendezvous_address
 from service import checkpoint, shards
 from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
 from service.recipe import check_precision, lr_at, needs_global_norm, step_update
-from service.sampling import step_indices
+from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
 from service.store import Store
 
 
-# Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
-BUCKET_BYTES = int(float(os.environ.get("RELAYTRAIN_BUCKET_MB", "8")) * 2**20)
-# Launch buckets during the last backward (as DDP) or after it.  Overlap pays where the
-# all-reduce has its own engine (NCCL on a GPU); a CPU worker's compute threads already use
-# its cores, and gloo's reduction then only competes with backward for them (measured on 2
-# cores: slower, see README "Against the peers").  RELAYTRAIN_OVERLAP_ALLREDUCE=1/0 forces it.
-_OVERLAP = os.environ.get("RELAYTRAIN_OVERLAP_ALLREDUCE")
-# Replicas of a stage on one node sum through shared memory (actors/collectives.SharedMemorySum);
-# RELAYTRAIN_SHM_ALLREDUCE=0 makes them use gloo like replicas on different nodes.
-_SHM = os.environ.get("RELAYTRAIN_SHM_ALLREDUCE", "1") == "1"
 
 
 class StageWorker:
@@ -81,13 +70,11 @@ class StageWorker:
         self.applied = 0                 # committed steps whose updates are in the parameters
         self.pending: Optional[int] = None  # 0-based step whose summed gradients wait for its commit
         self.samples = None
+        self.eval_samples = None
         self.loss_fn = None
         self.inbox = Inbox()
-        self.transport: Optional[Transport] = None
-        self.stage_group = None
-        self.buckets: Optional[GradientReducer] = None  # the stage's gradient sum (dp > 1)
+        self.wiring = Wiring()             # process group, transport, the stage's gradient sum
         self.runner: Optional[StepRunner] = None
-        self.group = Group()
         self._lock = threading.RLock()   # commits, state copies and reconfiguration
         self.recipe: Optional[ModelRecipe] = None   # builds any layer of the model (user code, imported once)
         self.bounds: list = []
@@ -257,7 +244,7 @@ class StageWorker:
             self.cell = Cell.from_config(cell, self.spec.microbatches)
             self._build_io()
             self.inbox.reset(self.gen)
-            self.transport = self.runner = None
+            self.runner = None
             self._aborted = None
             return {"node": self.node_id(), "pid": os.getpid(), "layers": [lo, hi]}
 
@@ -326,62 +313,26 @@ class StageWorker:
             self.loss_fn = build_loss(self.spec, self.search)
 
     def rendezvous_address(self) -> tuple[str, int]:
-        import ray
-
-        with socket.socket() as s:
-            s.bind(("", 0))
-            port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), port
+        return rendezvous_address()
 
     def connect(self, transport: str, row: tuple, rdzv: Optional[tuple], world: int) -> bool:
         """Join the shape's process group (when one is needed) and set up the transport;
         ``row``: the actors of every stage of this worker's replica."""
         c = self.cell
-        rank = c.dp_rank * c.pp + c.pp_rank
-        self._leave_group()
-        if rdzv is not None:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
-            self.group.init(backend, rdzv[0], rdzv[1], rank, world, self.timeout)
-            if c.dp > 1:
-                self.buckets = self._stage_reducer()
-        if transport == "collective":
-            self.transport = CollectiveTransport([c.dp_rank * c.pp + s for s in range(c.pp)], c.pp_rank, self.device)
-        else:
-            self.transport = ObjectStoreTransport(self.inbox, row, c.pp_rank, self.device, self.timeout, self.gen)
-        ties = TiedGrads(self.recipe.tied, self.stage, self.bounds, c.pp_rank)
+        self.wiring.connect(c, self.stage, self.device, transport, row, rdzv, world, inbox=self.inbox,
+                            timeout=self.timeout, node=self.node_id(), tag=f"{self.job_id}-g{self.gen}-s{c.pp_rank}")
         t = self.spec.training
         recipe = Recipe(bf16=t.precision == "bf16", checkpointing=t.activation_checkpointing,
                         global_norm=needs_global_norm(self.spec), device=self.device)
         copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
         norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
-        self.runner = StepRunner(c, self.stage, self.transport, self.buckets, self.loss_fn, self.mbs / self.B, ties,
+        self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
+                                 self.mbs / self.B, TiedGrads(self.recipe.tied, self.stage, self.bounds, c.pp_rank),
                                  recipe, norm_params)
         return True
 
-    def _stage_reducer(self) -> GradientReducer:
-        """The sum of the stage's gradients over its replicas: shared memory on one node, else
-        gloo / NCCL buckets.  Every rank creates every stage's group, in the same order."""
-        c = self.cell
-        for s in range(c.pp):
-            g = self.group.new_group([r * c.pp + s for r in range(c.dp)])
-            if s == c.pp_rank:
-                self.stage_group = g
-        params = list(self.stage.parameters())
-        shm = (SharedMemorySum.create(params, self.stage_group, c.dp_rank, c.dp, self.node_id(),
-                                      f"{self.job_id}-g{self.gen}-s{c.pp_rank}") if _SHM else None)
-        if shm is not None:
-            return shm
-        overlap = self.device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
-        return GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
-
     def _leave_group(self) -> None:
-        self.stage_group = None
-        if self.buckets is not None:
-            self.buckets.close()
-            self.buckets = None
-        if self.transport is not None:
-            self.transport.drop()  # pending sends and posted receives hold the old group
-        self.group.leave()
+        self.wiring.leave()
 
     def deliver(self, gen: int, step: int, kind: str, mb: int, shape: tuple, *parts) -> None:
         self.inbox.put(gen, (step, kind, mb), (shape, parts))
@@ -391,20 +342,16 @@ class StageWorker:
         if gen == self.gen:
             self._aborted = gen
             self.inbox.close(reason)
-            self.group.abort()  # a step blocked in gloo fails at once, and so do its peers
+            self.wiring.group.abort()  # a step blocked in gloo fails at once, and so do its peers
         return True
 
     # ---------------------------------------------------------------- one step
 
     def _my_batch(self, step: int):
-        c = self.cell
-        n = len(self.samples)
-        idx = step_indices(step, n, self.B, self.spec.training.seed, self.spec.training.shuffle)
-        m = len(c.actions) // 2
-        idx = idx[c.mb0 * self.mbs:(c.mb0 + m) * self.mbs]
-        xs = list(self.samples.inputs(idx).to(self.device).split(self.mbs)) if c.first else None
-        ys = list(self.samples.targets(idx).to(self.device).split(self.mbs)) if c.last else None
-        return xs, ys
+        c, t = self.cell, self.spec.training
+        idx = step_indices(step, len(self.samples), self.B, t.seed, t.shuffle)
+        idx = idx[c.mb0 * self.mbs:(c.mb0 + len(c.actions) // 2) * self.mbs]
+        return microbatches(self.samples, idx, self.mbs, c.first, c.last, self.device)
 
     def run_step(self, step: int) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
@@ -429,6 +376,35 @@ class StageWorker:
             # peers may wait on us: close our side of the group so they fail fast too
             self._leave_group()
             raise
+
+    def run_eval(self, committed: int) -> dict:
+        """The evaluation (spec ``eval``) with the parameters of ``committed`` steps: this
+        worker's forwards of every evaluation batch; the last stage's sum of batch-mean shares."""
+        with self._lock:
+            self._settle(committed)
+            if self.applied != committed:
+                raise RuntimeError(f"{self!r} is at step {self.applied} but was asked to evaluate step {committed}")
+        try:
+            xs, ys = self._eval_batches()
+            result = self.runner.evaluate(committed, xs, ys, self.spec.eval.batches,
+                                          aborted=lambda: self._aborted is not None)
+            return dict(result, output=self.output.take())
+        except BaseException:
+            self._leave_group()  # peers may wait on us: they fail fast too
+            raise
+
+    def _eval_batches(self):
+        """This replica's microbatches of each evaluation batch (the first eval.batches x B
+        samples of eval.data, in order): inputs on the first stage, targets on the last."""
+        c, m = self.cell, len(self.cell.actions) // 2
+        if not (c.first or c.last):
+            return None, None
+        if self.eval_samples is None:
+            self.eval_samples = build_data(self.spec.model_copy(update={"data": self.spec.eval.data}), self.search)
+        starts = [b * self.B + c.mb0 * self.mbs for b in range(self.spec.eval.batches)]
+        got = [microbatches(self.eval_samples, torch.arange(lo, lo + m * self.mbs), self.mbs, c.first, c.last,
+                            self.device) for lo in starts]
+        return [x for x, _ in got], [y for _, y in got]
 
     def shutdown(self) -> None:
         self.inbox.close("the job is stopping")

@@ -417,9 +417,31 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     if not spec.resources.gpus_per_worker:  # GPU workers check their own device (actors/worker.py)
         check_precision(spec, gpus=False)
     samples = build_data(spec, search)
+    if spec.eval is not None:
+        check_eval_data(spec, search)
     x, y = first_microbatch(spec, samples)
     return tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                          build_loss(spec, search), bf16=spec.training.precision == "bf16")
+
+
+def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> None:
+    """The eval data builds, holds eval.batches x B samples, and gives samples shaped like the
+    training data's (the pipeline's boundaries are traced from those)."""
+    try:
+        ev = build_data(spec.model_copy(update={"data": spec.eval.data}), search)
+    except SpecError as e:
+        raise SpecError(f"eval.{e}") from None
+    need = spec.eval.batches * spec.training.global_batch_size
+    if len(ev) < need:
+        raise SpecError(f"eval.data gives {len(ev)} samples, fewer than eval.batches x training.global_batch_size "
+                        f"({spec.eval.batches} x {spec.training.global_batch_size} = {need}); lower eval.batches or "
+                        "give more eval data")
+    train = build_data(spec, search)
+    a, b = ev.inputs(torch.arange(1)), train.inputs(torch.arange(1))
+    if (tuple(a.shape[1:]), a.dtype) != (tuple(b.shape[1:]), b.dtype):
+        raise SpecError(f"eval.data's inputs are {tuple(a.shape[1:])} {a.dtype} per sample, the training data's "
+                        f"{tuple(b.shape[1:])} {b.dtype}: the evaluation runs through the same pipeline, so give "
+                        "eval data of the same shape")
 
 
 def search_dirs(spec_dir: Optional[str]) -> list[str]:

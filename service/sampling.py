@@ -25,3 +25,10 @@ def step_indices(step: int, n: int, batch: int, seed: int, shuffle: bool) -> tor
         raise ValueError(f"{n} samples cannot fill a batch of {batch}")
     epoch, s = divmod(step, per_epoch)
     return epoch_order(n, seed, epoch, shuffle)[s * batch:(s + 1) * batch]
+
+
+def microbatches(samples, idx: torch.Tensor, mbs: int, inputs: bool, targets: bool, device) -> tuple:
+    """Samples ``idx`` cut into microbatches of ``mbs``: (inputs or None, targets or None)."""
+    xs = list(samples.inputs(idx).to(device).split(mbs)) if inputs else None
+    ys = list(samples.targets(idx).to(device).split(mbs)) if targets else None
+    return xs, ys

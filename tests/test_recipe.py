@@ -26,6 +26,8 @@ def recipe_spec(dp, pp, schedule, transport="collective", **training):
         "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": 10, "seed": 3,
                      "grad_clip_norm": CLIP, **training},
         "parallelism": {"dp": dp, "pp": pp, "schedule": schedule, "transport": transport},
+        # another draw of the same problem; after steps 4, 8 and 10 (the last)
+        "eval": {"every_steps": 4, "data": {"kind": "regression", "args": {"n": 160, "seed": 99}}, "batches": 2},
     })
 
 
@@ -58,6 +60,14 @@ def test_schedule_clipping_and_checkpointing_equal_one_process(ray_session, tmp_
     assert [r["lr"] for r in rows] == pytest.approx(want["lr"], rel=1e-12)
     assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"], rel=1e-4)
     assert sum(g > CLIP for g in want["grad_norm"]) >= 6  # clipping acted on most steps
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert sorted(evals) == [4, 8, 10] == sorted(want["eval"])
+    assert [evals[k] for k in (4, 8, 10)] == pytest.approx([want["eval"][k] for k in (4, 8, 10)], rel=1e-4)
+    last = final["timelines"][-1]  # the last step's timeline shows the evaluation's forwards, every worker's
+    assert last["step"] == 10
+    m = spec.microbatches // dp
+    for cell, acts in last["workers"].items():
+        assert sum("E" in a[0] for a in acts) == 2 * m, cell
     assert rows[0]["lr"] == pytest.approx(0.02 / 3) and rows[-1]["lr"] == pytest.approx(0.002)
 
 

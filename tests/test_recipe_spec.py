@@ -262,3 +262,20 @@ def test_default_spec_reports_grad_norm_and_train_keeps_its_shape():
     assert out["losses"] == losses and out["skipped"] == [] and out["eval"] == {}
     assert_params_equal(out["params"], params)
     assert out["lr"] == [0.01] * 6 and len(out["grad_norm"]) == 6 and all(n > 0 for n in out["grad_norm"])
+
+
+def _eval_spec(ev: dict):
+    return parse_spec({"name": "ev", "model": {"kind": "regression_mlp"}, "data": {"kind": "regression"},
+                       "loss": "mse", "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": 6},
+                       "eval": ev})
+
+
+def test_eval_data_too_small_or_shaped_otherwise_is_refused_before_any_actor_starts():
+    from service.loading import preflight
+
+    with pytest.raises(SpecError, match=r"eval\.data gives 100 samples, fewer than eval\.batches x "
+                                        r"training\.global_batch_size \(2 x 64 = 128\); lower eval\.batches"):
+        preflight(_eval_spec({"every_steps": 2, "data": {"kind": "regression", "args": {"n": 100}}, "batches": 2}))
+    with pytest.raises(SpecError, match=r"eval\.data's inputs are \(8,\) torch\.float32 per sample, the training "
+                                        r"data's \(16,\)"):
+        preflight(_eval_spec({"every_steps": 2, "data": {"kind": "regression", "args": {"in_features": 8}}}))

@@ -1,0 +1,79 @@
+"""A worker's connections in its current shape: the process group (gloo, NCCL on GPUs),
+the transport of activations and their gradients, and the sum of the stage's gradients over
+its replicas.  Rebuilt on every reshape (``connect``), torn down first (``leave``)."""
+from __future__ import annotations
+
+import os
+import socket
+from typing import Optional
+
+from actors.collectives import GradBuckets, Group, SharedMemorySum
+from actors.stage import Cell, GradientReducer, Transport
+from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
+
+# Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
+BUCKET_BYTES = int(float(os.environ.get("RELAYTRAIN_BUCKET_MB", "8")) * 2**20)
+# Launch buckets during the last backward (as DDP) or after it.  Overlap pays where the
+# all-reduce has its own engine (NCCL on a GPU); a CPU worker's compute threads already use
+# its cores, and gloo's reduction then only competes with backward for them (measured on 2
+# cores: slower, see README "Against the peers").  RELAYTRAIN_OVERLAP_ALLREDUCE=1/0 forces it.
+_OVERLAP = os.environ.get("RELAYTRAIN_OVERLAP_ALLREDUCE")
+# Replicas of a stage on one node sum through shared memory (actors/collectives.SharedMemorySum);
+# RELAYTRAIN_SHM_ALLREDUCE=0 makes them use gloo like replicas on different nodes.
+_SHM = os.environ.get("RELAYTRAIN_SHM_ALLREDUCE", "1") == "1"
+
+
+def rendezvous_address() -> tuple[str, int]:
+    """This node's address and a free port: where the shape's process group meets."""
+    import ray
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        port = s.getsockname()[1]
+    return ray.util.get_node_ip_address(), port
+
+
+class Wiring:
+    def __init__(self):
+        self.group = Group()
+        self.transport: Optional[Transport] = None
+        self.buckets: Optional[GradientReducer] = None  # the stage's gradient sum (dp > 1)
+        self.stage_group = None
+
+    def connect(self, c: Cell, stage, device, transport: str, row: tuple, rdzv: Optional[tuple], world: int, *,
+                inbox: Inbox, timeout: float, node: str, tag: str) -> None:
+        """Join the shape's process group (when ``rdzv`` names one) and set up the transport;
+        ``row``: the actors of every stage of this worker's replica."""
+        self.leave()
+        if rdzv is not None:
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.pp + c.pp_rank, world, timeout)
+            if c.dp > 1:
+                self.buckets = self._stage_reducer(c, stage, device, node, tag)
+        if transport == "collective":
+            self.transport = CollectiveTransport([c.dp_rank * c.pp + s for s in range(c.pp)], c.pp_rank, device)
+        else:
+            self.transport = ObjectStoreTransport(inbox, row, c.pp_rank, device, timeout, c.gen)
+
+    def _stage_reducer(self, c: Cell, stage, device, node: str, tag: str) -> GradientReducer:
+        """The sum of the stage's gradients over its replicas: shared memory on one node, else
+        gloo / NCCL buckets.  Every rank creates every stage's group, in the same order."""
+        for s in range(c.pp):
+            g = self.group.new_group([r * c.pp + s for r in range(c.dp)])
+            if s == c.pp_rank:
+                self.stage_group = g
+        params = list(stage.parameters())
+        shm = SharedMemorySum.create(params, self.stage_group, c.dp_rank, c.dp, node, tag) if _SHM else None
+        if shm is not None:
+            return shm
+        overlap = device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
+        return GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
+
+    def leave(self) -> None:
+        self.stage_group = None
+        if self.buckets is not None:
+            self.buckets.close()
+            self.buckets = None
+        if self.transport is not None:
+            self.transport.drop()  # pending sends and posted receives hold the old group
+        self.group.leave()
