@@ -66,3 +66,27 @@ def test_a_tie_held_by_three_stages_and_twice_in_one_ends_with_the_sum_in_stage_
     for i in (0, 2, 3, 4):
         assert torch.equal(layers[i].weight.grad, expected), i
     assert layers[1].weight.grad is None
+
+
+def test_two_stages_add_their_sums_in_pieces_and_agree_bit_for_bit(monkeypatch):
+    import actors.ties
+
+    monkeypatch.setattr(actors.ties, "PIECE_BYTES", 40)  # 10 float32 per piece: 7 pieces of a 64-element weight
+    torch.manual_seed(1)
+    layers = {0: nn.Linear(8, 8, bias=False), 1: nn.Linear(8, 8, bias=False)}
+    g0, g1 = torch.randn(8, 8), torch.randn(8, 8)
+    layers[0].weight.grad, layers[1].weight.grad = g0.clone(), g1.clone()
+    bounds = [(0, 1), (1, 2)]
+    stages = []
+    for s in range(2):
+        stage = nn.Module()
+        stage.add_module(str(s), layers[s])
+        stages.append(TiedGrads([("0.weight", "1.weight")], stage, bounds, s))
+    mail = Mailboxes()
+    threads = [threading.Thread(target=t.finish, args=(3, mail.of(s))) for s, t in enumerate(stages)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=20)
+    assert torch.equal(layers[0].weight.grad, g0 + g1)
+    assert torch.equal(layers[1].weight.grad, g0 + g1)
