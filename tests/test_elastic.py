@@ -33,8 +33,10 @@ ENTRIES = [0.01, 10, 0.01, 10, 10, 0.01, 10, 0.01, 0.01, 0.01, 10, 0.01, 10, 0.0
 
 
 def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float64", model=None, costs=COSTS,
-                 separate_activations=False, **elastic):
+                 separate_activations=False, recipe=None, **elastic):
+    """``recipe``: {"schedule": ..., "grad_clip_norm": ...} (issue 16's training recipe)."""
     wide = {"float32": 1, "float64": 2}[dtype]
+    recipe = recipe or {}
     return parse_spec({
         "name": name,
         # 6 hidden layers of 64 KiB (float32) between a light input and a light head; with momentum SGD a worker
@@ -42,8 +44,10 @@ def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float
         "model": model or {"kind": "mlp", "args": {"in_features": 64, "hidden": 128, "layers": 7, "dtype": dtype,
                                                     "separate_activations": separate_activations}},
         "data": {"kind": "digits"},
-        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},  # Adam magnifies summation-order noise (README)
-        "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 3},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9,  # Adam magnifies summation-order noise (README)
+                      **({"schedule": recipe["schedule"]} if "schedule" in recipe else {})},
+        "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 3,
+                     **({"grad_clip_norm": recipe["grad_clip_norm"]} if "grad_clip_norm" in recipe else {})},
         # the planner's costs are declared, not profiled: its choices do not depend on a noisy CPU
         "parallelism": {"dp": dp, "pp": pp, "transport": transport,
                         "layer_costs_ms": costs},
@@ -162,10 +166,11 @@ def events(result, kind):
 def check_result(result, spec, search=()):
     rows = [m for m in result["metrics"] if not m.get("rerun")]
     assert [m["step"] for m in rows] == list(range(1, spec.training.steps + 1))  # every step committed once
-    want, losses = reference.train(spec, search=search)
-    for m, loss in zip(rows, losses):
+    want = reference.run(spec, search=search)
+    for m, loss, lr, norm in zip(rows, want["losses"], want["lr"], want["grad_norm"]):
         assert m["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
-    return want
+        assert m["lr"] == pytest.approx(lr, rel=1e-12) and m["grad_norm"] == pytest.approx(norm, rel=1e-4)
+    return want["params"]
 
 
 def final_params(tmp_path):
@@ -178,7 +183,10 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
     """A user's model with parameterless entries (activations, a reshape, a dropout): the
     reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold."""
     with_nodes(cluster, 4)
-    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES)
+    # with the training recipe: a warm-up and cosine decay that follow the step count across the
+    # reshape, and clipping that acts on most steps (the gradient norm's median here is 4.6)
+    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES,
+                        recipe={"schedule": {"name": "cosine", "warmup_steps": 5, "min_lr": 0.005}, "grad_clip_norm": 3.0})
     job = Job(spec, tmp_path, spec_dir=FIXTURES)
     p = job.wait_step(10)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (2, 2)

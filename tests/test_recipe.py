@@ -15,7 +15,7 @@ from tests import reference
 CLIP = 0.2  # below the gradients' norm on most steps: clipping must act
 
 
-def recipe_spec(dp, pp, schedule, transport="collective", **training):
+def recipe_spec(dp, pp, schedule, transport="collective", checkpoint=None, **training):
     return parse_spec({
         "name": f"recipe-{dp}x{pp}-{schedule}",
         "model": {"kind": "regression_mlp", "args": {"in_features": 16, "hidden": 32, "layers": 4}},
@@ -28,6 +28,7 @@ def recipe_spec(dp, pp, schedule, transport="collective", **training):
         "parallelism": {"dp": dp, "pp": pp, "schedule": schedule, "transport": transport},
         # another draw of the same problem; after steps 4, 8 and 10 (the last)
         "eval": {"every_steps": 4, "data": {"kind": "regression", "args": {"n": 160, "seed": 99}}, "batches": 2},
+        **({"checkpoint": checkpoint} if checkpoint else {}),
     })
 
 
@@ -127,3 +128,22 @@ def test_bf16_losses_follow_the_one_process_bf16_loop(ray_session, tmp_path):
     assert_same_params(got, want["params"], rtol=2e-2, atol=2e-3)
     fp32 = reference.run(recipe_spec(1, 2, "1f1b"), microbatched=True)
     assert [r["loss"] for r in rows] != pytest.approx(fp32["losses"], rel=1e-6)  # autocast really ran
+
+
+def test_a_resume_in_another_shape_follows_the_schedule_and_equals_one_process(ray_session, tmp_path):
+    from service import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    first = recipe_spec(2, 2, "1f1b", checkpoint={"every_steps": 5, "path": str(ckpt)})
+    run_job(spec=first, out=str(tmp_path / "a"), progress=False)
+    step5 = next(p for p in checkpoint.list_checkpoints(ckpt) if checkpoint.step_of(p) == 5)
+    second = recipe_spec(1, 4, "gpipe", checkpoint={"every_steps": 0, "path": str(ckpt)}, activation_checkpointing=True)
+    final = run_job(spec=second, out=str(tmp_path / "b"), progress=False, resume=str(step5))
+    want = reference.run(second, microbatched=True)
+    assert_same_params(torch.load(tmp_path / "b" / "model.pt"), want["params"])
+    rows = final["metrics"]
+    assert [r["step"] for r in rows] == list(range(6, 11))
+    assert [r["lr"] for r in rows] == pytest.approx(want["lr"][5:], rel=1e-12)  # the schedule went on from step 6
+    assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"][5:], rel=1e-4)
+    assert {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == pytest.approx(
+        {k: v for k, v in want["eval"].items() if k > 5}, rel=1e-4)
