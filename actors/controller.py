@@ -160,18 +160,9 @@ class JobController:
                                  "the workers (a node is going)")
             return self._lost(step, refs, WorkerLost(failure, set(), time.time()))
         wall = time.time() - t0
-        eval_loss = None
-        if evaluation.due(self.spec, step + 1):
-            refs = self.group.call_all("run_eval", step + 1)
-            try:
-                eval_loss = evaluation.collect(self.group, self.spec, refs, step, stats)
-            except WorkerLost as lost:  # the step stands: the workers applied it before evaluating
-                self._commit(step, stats, wall)
-                self.record.event("eval_skipped", f"the evaluation after step {step + 1} was lost with a worker",
-                                  step=step + 1)
-                return self._lost(step, refs, lost)
-        self._commit(step, stats, wall, eval_loss)
-        return Running(step + 1)
+        eval_loss, lost = evaluation.run(self.group, self.record, self.spec, step, stats)
+        self._commit(step, stats, wall, eval_loss)  # the step stands even if its evaluation was lost
+        return self._lost(step, lost.refs, lost) if lost else Running(step + 1)
 
     def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:
         self.record.event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
@@ -195,24 +186,7 @@ class JobController:
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:
             self._reshaped(step + 1)
-        snap_every = spec.elastic.snapshot_every_steps if self.elastic else 0
-        if snap_every and (step + 1) % snap_every == 0:
-            self.keeper.take_snapshot(step + 1)
-        every = spec.checkpoint.every_steps
-        if every and ((step + 1) % every == 0 or step + 1 == spec.training.steps) and self.keeper.checkpoint_root:
-            self._checkpoint(step + 1)
-
-    def _checkpoint(self, step: int) -> None:
-        try:
-            path = self.keeper.save_checkpoint(step, {"job_id": self.job_id, "name": self.spec.name},
-                                               keep=self.spec.checkpoint.keep)
-        except JobFailure as e:
-            if not self.elastic:
-                raise
-            # a worker went: the next step notices and recovers; this checkpoint is skipped
-            self.record.event("checkpoint_skipped", f"checkpoint of step {step} skipped: {e}", step=step)
-            return
-        self.record.event("checkpoint", f"checkpoint of step {step} at {path}", step=step, path=path)
+        self.keeper.after_commit(step + 1, spec, rec, self.job_id)
 
     def _finish(self) -> State:
         steps = self.spec.training.steps
@@ -228,7 +202,7 @@ class JobController:
             return Reshaping(move=Move("a worker was lost after the last step", keep=alive, donors=alive,
                                        exclude=set(), forced=True))
         self.save_index(self.final)
-        last = self.record.metrics[-1]["loss"] if self.record.metrics else None
+        last = next((r["loss"] for r in reversed(self.record.metrics) if r["loss"] is not None), None)
         return Succeeded(f"job finished: {steps} steps, last loss {last:.6g}" if last is not None else "job finished")
 
     # ---------------------------------------------------------------- elasticity

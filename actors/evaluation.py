@@ -4,12 +4,30 @@ last), every worker runs the forwards of the eval batches with the committed par
 batches, give the mean of the batch-mean losses."""
 from __future__ import annotations
 
+from typing import Optional
+
+from actors.failures import WorkerLost
 from service.spec import JobSpec
 
 
 def due(spec: JobSpec, committed: int) -> bool:
     e = spec.eval
     return e is not None and (committed % e.every_steps == 0 or committed == spec.training.steps)
+
+
+def run(group, record, spec: JobSpec, step: int, stats: dict) -> tuple[Optional[float], Optional[WorkerLost]]:
+    """After 0-based ``step`` (committed by the caller either way): its eval loss when due,
+    or the ``WorkerLost`` that ended the evaluation (an ``eval_skipped`` event says so; the
+    workers applied the step before evaluating, so it stands)."""
+    if not due(spec, step + 1):
+        return None, None
+    refs = group.call_all("run_eval", step + 1)
+    try:
+        return collect(group, spec, refs, step, stats), None
+    except WorkerLost as lost:
+        record.event("eval_skipped", f"the evaluation after step {step + 1} was lost with a worker", step=step + 1)
+        lost.refs = refs
+        return None, lost
 
 
 def collect(group, spec: JobSpec, refs: dict, step: int, stats: dict) -> float:

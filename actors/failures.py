@@ -56,6 +56,7 @@ class WorkerLost(Exception):
     def __init__(self, failure: JobFailure, lost: set, first_error_time: float, silent: set = frozenset()):
         super().__init__(str(failure))
         self.failure, self.lost, self.time, self.silent = failure, lost, first_error_time, set(silent)
+        self.refs: dict = {}  # the calls that were running (their workers are surveyed)
 
 
 def _cause(err: BaseException) -> BaseException:

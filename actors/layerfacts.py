@@ -35,7 +35,9 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
     else:
         seconds = [0.0] * len(t.metas)
     act_bytes = [_bytes(shape, dtype) for shape, dtype in t.metas]
-    return Layers(planner.LayerFacts(seconds, t.param_bytes, act_bytes), t.metas, t.stateless, profiled, t.on_meta)
+    facts = planner.LayerFacts(seconds, t.param_bytes, act_bytes, saved_bytes=t.saved_bytes or None,
+                               checkpointing=spec.training.activation_checkpointing)
+    return Layers(facts, t.metas, t.stateless, profiled, t.on_meta)
 
 
 def _bytes(shape: tuple, dtype) -> int:

@@ -63,12 +63,15 @@ class JobRecord:
     def check_finite(self, row: dict) -> None:
         """A step whose gradient norm is not finite fails the job, or was skipped on every
         worker (training.skip_nonfinite): then a ``skipped_step`` event says so."""
-        step = row["step"]
+        step, norm, loss = row["step"], row["grad_norm"], row["loss"]
+        for k in ("loss", "grad_norm"):  # JSON (and PostgreSQL's json) has no inf or nan
+            if not math.isfinite(row[k]):
+                row[k] = None
         if row.get("skipped"):
-            self.event("skipped_step", f"step {step} skipped: its gradient norm is {row['grad_norm']}; no parameter "
+            self.event("skipped_step", f"step {step} skipped: its gradient norm is {norm}; no parameter "
                                        "changed", step=step)
-        elif not math.isfinite(row["grad_norm"]):
-            raise JobFailure(f"step {step}: the gradient norm is {row['grad_norm']} (the loss was {row['loss']:.6g}); "
+        elif not math.isfinite(norm):
+            raise JobFailure(f"step {step}: the gradient norm is {norm} (the loss was {loss:.6g}); "
                              "set training.skip_nonfinite: true to skip such steps, or lower optimizer.lr or set "
                              "training.grad_clip_norm")
 

@@ -159,7 +159,7 @@ def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -
                 if snap["metrics"]:
                     last = snap["metrics"][-1]
                     bar.update(len(snap["metrics"]))
-                    bar.set_postfix(loss=f"{last['loss']:.4f}", samples_s=f"{last['samples_per_s']:.0f}",
+                    bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped", samples_s=f"{last['samples_per_s']:.0f}",
                                     shape=f"{last['dp']}x{last['pp']}")
             if finished:
                 final = ray.get(done_ref)  # the report, with the newest steps' timelines

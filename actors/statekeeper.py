@@ -197,6 +197,25 @@ class StateKeeper:
         order = [n for e in entries for n in e["names"]]
         return shards.index_of(entries, {"format": "pt", "step": committed, "order": order})
 
+    def after_commit(self, committed: int, spec, record, job_id: str) -> None:
+        """The off-node snapshot and the checkpoint the spec asks for after ``committed`` steps.
+        An elastic job skips a checkpoint a lost worker could not write (the next step
+        notices the loss and recovers); any other job fails."""
+        snap = spec.elastic.snapshot_every_steps if spec.elastic.enabled else 0
+        if snap and committed % snap == 0:
+            self.take_snapshot(committed)
+        every = spec.checkpoint.every_steps
+        if not (every and (committed % every == 0 or committed == spec.training.steps) and self.checkpoint_root):
+            return
+        try:
+            path = self.save_checkpoint(committed, {"job_id": job_id, "name": spec.name}, keep=spec.checkpoint.keep)
+        except JobFailure as e:
+            if not spec.elastic.enabled:
+                raise
+            record.event("checkpoint_skipped", f"checkpoint of step {committed} skipped: {e}", step=committed)
+            return
+        record.event("checkpoint", f"checkpoint of step {committed} at {path}", step=committed, path=path)
+
     def save_checkpoint(self, step: int, meta: dict, keep: int) -> str:
         """Every stage writes its own part, at once; the manifest goes last."""
         folder = checkpoint.begin(self.checkpoint_root, step)

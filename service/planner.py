@@ -14,7 +14,9 @@ The model of one step, per replica, for both 1F1B and GPipe::
 
 with per-transport hop costs and an all-reduce bandwidth measured on the development machine
 (see README: "How the planner decides").  Memory of a worker: parameters x (2 + optimizer slots)
-plus the activations it holds (1F1B: pp - stage microbatches at most; GPipe: all m).
+plus the activations it holds (1F1B: pp - stage microbatches at most; GPipe: all m), each what
+autograd saves of its layers (traced), or with activation checkpointing only each layer's input,
+plus one layer's recomputation; checkpointing costs one more forward (compute x 4/3).
 """
 from __future__ import annotations
 
@@ -37,6 +39,21 @@ class LayerFacts:
     seconds: Sequence[float]          # forward + backward of one microbatch
     param_bytes: Sequence[int]
     activation_bytes: Sequence[int]   # the layer's output for one microbatch
+    # what autograd keeps of a layer for its backward, one microbatch (None: its output only)
+    saved_bytes: Optional[Sequence[int]] = None
+    checkpointing: bool = False       # training.activation_checkpointing: each layer recomputed in backward
+
+    def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
+        """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
+        forward and its backward.  With checkpointing: each layer's input (``input_bytes`` for
+        the first), the rest is recomputed one layer at a time in backward."""
+        if self.checkpointing:
+            return input_bytes + sum(self.activation_bytes[lo:hi - 1])
+        return sum((self.saved_bytes or self.activation_bytes)[lo:hi])
+
+    def recompute_bytes(self, lo: int, hi: int) -> int:
+        """With checkpointing, the most one layer's recomputed forward holds during backward."""
+        return max((self.saved_bytes or self.activation_bytes)[lo:hi]) if self.checkpointing else 0
 
     def __post_init__(self):
         if not (len(self.seconds) == len(self.param_bytes) == len(self.activation_bytes)) or not self.seconds:
@@ -107,7 +124,7 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     slot, ar, mem = 0.0, 0.0, 0
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
     for i, (lo, hi) in enumerate(partition.bounds(sizes)):
-        compute = sum(facts.seconds[lo:hi])
+        compute = sum(facts.seconds[lo:hi]) * (4 / 3 if facts.checkpointing else 1)  # + one more forward
         comm = 0.0
         if pp > 1:
             if i < pp - 1:
@@ -119,7 +136,8 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
         if dp > 1:
             ar = max(ar, 2 * (dp - 1) * ALLREDUCE_LATENCY_S + 2 * (dp - 1) / dp * params / ALLREDUCE_BYTES_PER_S)
         in_flight = m if schedule == "gpipe" else min(m, pp - i)
-        mem = max(mem, params * slots_per_param + in_flight * sum(facts.activation_bytes[lo:hi]))
+        held = facts.held_bytes(lo, hi, facts.activation_bytes[lo - 1] if lo > 0 else 0)
+        mem = max(mem, params * slots_per_param + in_flight * held + facts.recompute_bytes(lo, hi))
     return Shape(dp, pp, tuple(sizes), m, (m + pp - 1) * slot + ar, mem)
 
 

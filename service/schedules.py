@@ -23,13 +23,13 @@ from fractions import Fraction
 
 SCHEDULES = ("gpipe", "1f1b")
 
-_ACTION_RE = re.compile(r"^(\d+)([FB])(\d+)$")
+_ACTION_RE = re.compile(r"^(\d+)([FBE])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
     stage: int
-    kind: str  # "F" or "B"
+    kind: str  # "F" or "B"; "E" in a measured timeline: a forward of the evaluation after the step
     mb: int
 
     def __str__(self) -> str:

@@ -71,7 +71,7 @@ def check(entry: dict) -> list[str]:
     for w in sorted(got & want):
         r, s = parse_worker(w)
         acts = entry["workers"][w]
-        order = [a for a, _, _ in acts]
+        order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
         plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s)
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
@@ -101,14 +101,15 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
         for a, t0, t1 in entry["workers"][w]:
             act = schedules.Action.parse(a)
             boxes.append({"action": a, "kind": act.kind, "mb": act.mb, "start": t0, "end": t1})
+        train = [b for b in boxes if b["kind"] != "E"]  # the step's own; "E": the evaluation after it
         lanes.append({"worker": w, "dp_rank": r, "pp_rank": s, "node": (entry.get("nodes") or {}).get(w),
-                      "busy_s": sum(b["end"] - b["start"] for b in boxes), "actions": boxes})
+                      "busy_s": sum(b["end"] - b["start"] for b in train), "actions": boxes})
     per_replica: dict[int, list[dict]] = {}
     for lane in lanes:
         per_replica.setdefault(lane["dp_rank"], []).append(lane)
     utils = []
     for replica in per_replica.values():
-        boxes = [b for lane in replica for b in lane["actions"]]
+        boxes = [b for lane in replica for b in lane["actions"] if b["kind"] != "E"]
         if not boxes:
             continue
         span = max(b["end"] for b in boxes) - min(b["start"] for b in boxes)
@@ -140,6 +141,7 @@ def steps_text(steps: list[int]) -> str:
 
 # ---------------------------------------------------------------- the picture
 
+EVAL_COLOUR = "#3f3f46"
 PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
            "#b07aa1", "#ff9da7", "#9c755f", "#86bcb6", "#8cd17d", "#d37295"]
 
@@ -148,6 +150,8 @@ def colour(mb: int, kind: str) -> str:
     """Microbatch ``mb``'s colour: forward in its light shade, backward in its dark one."""
     base = PALETTE[mb % len(PALETTE)]
     r, g, b = (int(base[i:i + 2], 16) for i in (1, 3, 5))
+    if kind == "E":  # an evaluation's forward: one grey, whatever the microbatch
+        return EVAL_COLOUR
     if kind == "F":  # toward white
         r, g, b = (int(c + (255 - c) * 0.35) for c in (r, g, b))
     else:            # toward black
@@ -306,8 +310,9 @@ def _action_box(worker: str, b: dict, y: int, lay: _Layout) -> list[str]:
     """The box of one action ``b`` of :func:`view`'s lane, with a tooltip, and its name
     written inside when it fits."""
     bx, bw = lay.x(b["start"]), max(1.0, round((b["end"] - b["start"]) * lay.sx, 2))
-    tip = (f'{worker} {b["action"]} ({"forward" if b["kind"] == "F" else "backward"} of microbatch '
-           f'{b["mb"]}): {_ms(b["end"] - b["start"])}, from +{_ms(b["start"])}')
+    what = {"F": "forward of microbatch", "B": "backward of microbatch", "E": "eval forward of eval microbatch"}
+    tip = (f'{worker} {b["action"]} ({what[b["kind"]]} {b["mb"]}): {_ms(b["end"] - b["start"])}, '
+           f'from +{_ms(b["start"])}')
     out = [f'<rect class="action" data-action={quoteattr(b["action"])} data-mb="{b["mb"]}" '
            f'data-kind="{b["kind"]}" data-start="{b["start"]}" data-end="{b["end"]}" x="{bx}" y="{y}" '
            f'width="{bw}" height="{lay.lane_h}" rx="3" fill="{colour(b["mb"], b["kind"])}" stroke="#ffffff" '

@@ -35,6 +35,7 @@ class Trace:
     io_bytes: list[int]    # bytes each layer reads and writes: input, output, parameters
     stateless: frozenset   # layers with no parameters and no persistent buffers
     on_meta: bool          # False: the model was run for real (it has no meta kernels)
+    saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
 
 
 def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
@@ -105,14 +106,31 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 
+class _Saved:
+    """Bytes of activations autograd saves for backward while ``layer`` runs: each tensor once,
+    its parameters (and views of them) not counted."""
+
+    def __init__(self, layer: nn.Module):
+        self.bytes, self._seen = 0, set()
+        self._params = {id(q) for q in layer.parameters()} | {id(b) for b in layer.buffers()}
+
+    def pack(self, t):
+        base = t._base if t._base is not None else t
+        if id(base) not in self._params and id(base) not in self._seen:
+            self._seen.add(id(base))
+            self.bytes += _nbytes(base)
+        return t
+
+
 def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
-    metas, flops, io = [], [], []
+    metas, flops, io, saved = [], [], [], []
     h = x
-    with torch.no_grad():
+    with torch.enable_grad():  # what autograd saves is what a microbatch in flight holds
         for i in range(count):
-            inp = h
+            inp = h = h.detach().requires_grad_(h.is_floating_point())
+            keep = _Saved(layers[i])
             try:
-                with FlopCounterMode(display=False) as fc:
+                with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(keep.pack, _same):
                     h = layers[i](h)
             except Exception as e:
                 raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
@@ -124,15 +142,20 @@ def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) ->
             metas.append((tuple(h.shape), h.dtype))
             flops.append(int(fc.get_total_flops()))
             io.append(_nbytes(inp) + _nbytes(h) + _param_bytes(layers[i]))
+            saved.append(keep.bytes)
         try:
-            value = loss(h, y)
+            value = loss(h.detach(), y)
         except Exception as e:
             raise _UserError(f"the loss fails on the model's output (shape {tuple(h.shape)}) and the targets "
                              f"(shape {tuple(y.shape)}): {type(e).__name__}: {e}") from None
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
-    return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta)
+    return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved)
+
+
+def _same(t):
+    return t
 
 
 _SPEED: dict[int, tuple[float, float]] = {}

@@ -182,6 +182,9 @@ class FakeKeeper:
     def take_snapshot(self, committed: int) -> None:
         pass
 
+    def after_commit(self, committed: int, spec, record, job_id: str) -> None:
+        pass
+
     def resume_copy(self):
         return None
 

@@ -56,11 +56,29 @@ function svg(tag, attrs = {}, text) {
   return node;
 }
 
+// Python's json writes bare NaN and Infinity, which JSON.parse rejects: read them as null (a gap)
+function parseJson(text) {
+  try {
+    return JSON.parse(text);
+  } catch (e) {
+    return JSON.parse(text.replace(/("(?:[^"\\]|\\.)*")|-?\bInfinity\b|\bNaN\b/g, (m, str) => str || "null"));
+  }
+}
+
+const finite = (x) => typeof x === "number" && Number.isFinite(x);
+
 function fmtNum(x, digits = 4) {
   if (x == null || Number.isNaN(x)) return "–";
+  if (!Number.isFinite(x)) return "not finite";
   const a = Math.abs(x);
   if (a !== 0 && (a < 1e-3 || a >= 1e6)) return x.toExponential(2);
   return Number(x.toPrecision(digits)).toString();
+}
+
+// learning rates: one notation down an axis (1e-3, 7.5e-4, 5e-4, ...)
+function fmtRate(x) {
+  if (!finite(x) || x === 0 || Math.abs(x) >= 0.01) return fmtNum(x);
+  return x.toExponential(3).replace(/\.?0+e/, "e").replace("e+", "e");
 }
 
 function fmtSpeed(x) { return x == null ? "–" : x >= 100 ? Math.round(x).toLocaleString() : fmtNum(x, 3); }
@@ -198,7 +216,7 @@ function openJob(id) {
   $("#view-list").hidden = true;
   $("#view-job").hidden = false;
   view = { kind: "job", id, metrics: [], lastStep: 0, events: [], eventsAfter: 0, timelineKey: null,
-           pinned: null, job: null, output: [], outputAfter: 0 };
+           pinned: null, job: null, output: [], outputAfter: 0, detailStep: null };
   $("#job-name").textContent = id;
   $("#job-id").textContent = id;
   $("#events").replaceChildren();
@@ -207,8 +225,11 @@ function openJob(id) {
   $("#swimlane").replaceChildren(el("p", { class: "empty", text: "No step measured yet." }));
   $("#timeline-step").replaceChildren(el("option", { value: "", text: "latest" }));
   $("#util-measured").textContent = $("#util-plan").textContent = "–";
-  $("#loss-curve").replaceChildren();
-  $("#speed-curve").replaceChildren();
+  for (const id of ["#loss-curve", "#speed-curve", "#lr-curve", "#grad-curve", "#loss-legend", "#grad-legend",
+                    "#step-detail"]) $(id).replaceChildren();
+  $("#recipe-charts").hidden = true;
+  $("#step-detail").hidden = true;
+  $("#legend-eval").hidden = true;
   $("#job-error").hidden = true;
   refreshJob(generation);
 }
@@ -261,7 +282,8 @@ function drawJobHead(job) {
 
 async function loadMetrics(v) {
   for (;;) {
-    const rows = await api(`/v1/jobs/${encodeURIComponent(v.id)}/metrics?after_step=${v.lastStep}&limit=10000`);
+    const rows = parseJson(await api(`/v1/jobs/${encodeURIComponent(v.id)}/metrics?after_step=${v.lastStep}&limit=10000`,
+                                     { as: "text" }));
     for (const r of rows) v.metrics.push(r);
     if (rows.length) v.lastStep = rows[rows.length - 1].step;
     if (rows.length < 10000) return;
@@ -360,7 +382,9 @@ async function loadTimeline(v, job, gen) {
   const doc = new DOMParser().parseFromString(text, "image/svg+xml");
   const root = doc.documentElement;
   if (root.nodeName !== "svg") throw new Error("the timeline is not an SVG");
-  $("#swimlane").replaceChildren(document.importNode(root, true));
+  const drawn = document.importNode(root, true);
+  $("#swimlane").replaceChildren(drawn);
+  $("#legend-eval").hidden = markEvalActions(drawn) === 0;
   v.timelineKey = key;
   $("#util-measured").textContent = fmtPct(root.getAttribute("data-utilization"));
   $("#util-plan").textContent = fmtPct(root.getAttribute("data-utilization-plan"));
@@ -372,12 +396,119 @@ async function loadTimeline(v, job, gen) {
   select.value = steps.includes(current) ? current : "";
 }
 
+// An evaluation's forwards ("0E5": stage 0, eval forward of eval microbatch 5) follow the step's
+// own actions in its timeline: they get their own colour (style.css: rect.action.eval).
+function markEvalActions(root) {
+  let n = 0;
+  for (const box of root.querySelectorAll("rect[data-action]")) {
+    const m = /^(\d+)E(\d+)$/.exec(box.getAttribute("data-action"));
+    if (!m) continue;
+    n += 1;
+    box.classList.add("eval");
+    const tip = box.querySelector("title");
+    // the server may call it a forward or a backward (its colours know F and B only)
+    if (tip) tip.textContent = tip.textContent.replace(/\([^()]*microbatch \d+\)/, `(eval forward of eval microbatch ${m[2]})`);
+    const label = box.nextElementSibling;
+    if (label && label.localName === "text" && label.textContent === m[0]) label.classList.add("eval-label");
+  }
+  return n;
+}
+
 // ------------------------------------------------------------------ curves
 
+const COLORS = { loss: "#3a62c4", eval: "#dd6b20", speed: "#2f855a", lr: "#6b46c1", grad: "#b7791f",
+                 skipped: "#c53030", clip: "#7b8794" };
+
 function drawCharts(v) {
+  const rows = v.metrics;
   const reshapes = v.events.filter((e) => e.type === "reshape" && e.step != null);
-  lineChart($("#loss-curve"), v.metrics, "loss", { color: "#3a62c4", fmt: fmtNum, reshapes, id: "loss" });
-  lineChart($("#speed-curve"), v.metrics, "samples_per_s", { color: "#2f855a", fmt: fmtSpeed, reshapes, id: "speed" });
+  const skipped = rows.filter((r) => r.skipped).map((r) => r.step);
+  const evals = rows.filter((r) => finite(r.eval_loss)).length;
+  lineChart($("#loss-curve"), rows, "loss", { color: COLORS.loss, fmt: fmtNum, reshapes, skipped, id: "loss",
+    tip: (r) => stepFields(r).map(([, label, text]) => (label ? `${label} ${text}` : text)).join(" · "),
+    extra: [{ key: "eval_loss", color: COLORS.eval, attr: "data-eval-step", label: "eval loss" }] });
+  legend($("#loss-legend"), [
+    { series: "loss", label: "training loss", color: COLORS.loss, mark: "line" },
+    evals && { series: "eval_loss", label: `eval loss (${evals})`, color: COLORS.eval, mark: "dot" },
+    skipped.length && { series: "skipped", label: `skipped step (${skipped.length})`, color: COLORS.skipped, mark: "skip" }]);
+  lineChart($("#speed-curve"), rows, "samples_per_s", { color: COLORS.speed, fmt: fmtSpeed, reshapes, id: "speed" });
+  // the recipe: the learning rate each step used, the gradient norm before clipping
+  const has = (key) => rows.some((r) => key in r);
+  $("#lr-card").hidden = !has("lr");
+  $("#grad-card").hidden = !has("grad_norm");
+  $("#recipe-charts").hidden = !has("lr") && !has("grad_norm");
+  if (has("lr")) lineChart($("#lr-curve"), rows, "lr", { color: COLORS.lr, fmt: fmtRate, reshapes, id: "lr" });
+  if (has("grad_norm")) {
+    const clip = ((v.job && v.job.spec && v.job.spec.training) || {}).grad_clip_norm;
+    lineChart($("#grad-curve"), rows, "grad_norm", { color: COLORS.grad, fmt: fmtNum, reshapes, skipped, id: "grad",
+      hlines: finite(clip) ? [{ y: clip, label: `clip ${fmtNum(clip)}`, color: COLORS.clip }] : [] });
+    legend($("#grad-legend"), [
+      finite(clip) && { series: "clip", label: "clip norm", color: COLORS.clip, mark: "dash" },
+      skipped.length && { series: "skipped", label: "skipped (not finite)", color: COLORS.skipped, mark: "skip" }]);
+  }
+  drawStepDetail(v);
+}
+
+// [field, label, text] of a step's row: what the readout and the loss chart's tooltips show
+function stepFields(r) {
+  const out = [["step", "step", String(r.step)], ["loss", "loss", fmtNum(r.loss)]];
+  if ("eval_loss" in r) out.push(["eval_loss", "eval loss", fmtNum(r.eval_loss)]);
+  if ("lr" in r) out.push(["lr", "lr", fmtRate(r.lr)]);
+  if ("grad_norm" in r) out.push(["grad_norm", "grad norm", finite(r.grad_norm) ? fmtNum(r.grad_norm)
+    : r.skipped || r.grad_norm != null ? "not finite" : "–"]);
+  if (r.skipped) out.push(["skipped", "skipped:", "its gradient was not finite"]);
+  if (r.rerun) out.push(["rerun", "", "re-run"]);
+  return out;
+}
+
+// the step readout above the charts: the newest step, or the one the mouse is over in a chart
+function nearestRow(rows, step) {
+  let lo = 0, hi = rows.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (rows[mid].step < step) lo = mid + 1; else hi = mid;
+  }
+  return lo > 0 && step - rows[lo - 1].step < rows[lo].step - step ? rows[lo - 1] : rows[lo];
+}
+
+function drawStepDetail(v) {
+  const box = $("#step-detail");
+  box.hidden = !v.metrics.length;
+  if (!v.metrics.length) return;
+  const r = v.detailStep == null ? v.metrics[v.metrics.length - 1] : nearestRow(v.metrics, v.detailStep);
+  box.dataset.step = String(r.step);
+  box.classList.toggle("skipped", Boolean(r.skipped));
+  box.replaceChildren(...stepFields(r).map(([field, label, text]) =>
+    el("span", { class: "field", "data-field": field }, label ? el("span", { class: "muted", text: label + " " }) : null,
+       el("b", { text }))),
+  el("span", { class: "muted hint", text: v.detailStep == null ? "newest step; point at a chart for another" : "" }));
+}
+
+for (const id of ["#loss-curve", "#speed-curve", "#lr-curve", "#grad-curve"]) {
+  const box = $(id);
+  box.addEventListener("mousemove", (e) => {
+    const scale = box.scale, v = view;
+    if (!scale || !v || v.kind !== "job" || !v.metrics.length) return;
+    const rect = box.firstChild.getBoundingClientRect();
+    const vx = ((e.clientX - rect.left) * scale.W) / rect.width;
+    const step = Math.round(scale.step(vx));
+    if (step === v.detailStep) return;
+    v.detailStep = step;
+    scale.guide(nearestRow(v.metrics, step).step);
+    drawStepDetail(v);
+  });
+  box.addEventListener("mouseleave", () => {
+    if (box.scale) box.scale.guide(null);
+    if (view && view.kind === "job") { view.detailStep = null; drawStepDetail(view); }
+  });
+}
+
+function legend(box, items) {
+  box.replaceChildren(...items.filter(Boolean).map((it) => {
+    const swatch = el("i", { class: "swatch " + it.mark });
+    swatch.style.color = it.color;  // the swatch draws in currentColor (CSSOM: allowed by the page's CSP)
+    return el("span", { class: "legend-item", "data-series": it.series }, swatch, it.label);
+  }));
 }
 
 function niceTicks(lo, hi, n = 5) {
@@ -391,12 +522,21 @@ function niceTicks(lo, hi, n = 5) {
 
 const MAX_MARKERS = 5000;  // a marker per step up to this many; beyond, the line only
 
-function lineChart(box, rows, key, { color, fmt, reshapes, id }) {
-  const pts = rows.filter((r) => r[key] != null && Number.isFinite(r[key]));
-  if (!pts.length) { box.replaceChildren(el("p", { class: "empty", text: "No committed step yet." })); return; }
+// rows' `key` over steps: a point per finite value, the line broken where a step has none (null,
+// NaN, Infinity); `extra` series (points on the steps that have them, joined), `skipped` steps
+// and reshapes as vertical marks, `hlines` as dashed horizontal ones
+function lineChart(box, rows, key, { color, fmt, reshapes = [], skipped = [], id, extra = [], hlines = [], tip }) {
+  const pts = rows.filter((r) => finite(r[key]));
+  box.scale = null;
+  if (!pts.length) {
+    box.replaceChildren(el("p", { class: "empty", text: rows.length ? "Not finite on any step yet." : "No committed step yet." }));
+    return;
+  }
+  const series = extra.map((s) => ({ ...s, pts: rows.filter((r) => finite(r[s.key])) }));
   const W = 560, H = 240, L = 58, R = 14, T = 12, B = 34;
-  const x0 = pts[0].step, x1 = Math.max(pts[pts.length - 1].step, x0 + 1);
-  const ys = niceTicks(Math.min(...pts.map((p) => p[key])), Math.max(...pts.map((p) => p[key])));
+  const x0 = rows[0].step, x1 = Math.max(rows[rows.length - 1].step, x0 + 1);
+  const values = [...pts.map((p) => p[key]), ...series.flatMap((s) => s.pts.map((p) => p[s.key])), ...hlines.map((h) => h.y)];
+  const ys = niceTicks(Math.min(...values), Math.max(...values));
   const X = (s) => L + ((s - x0) / (x1 - x0)) * (W - L - R);
   const Y = (y) => T + (1 - (y - ys.lo) / (ys.hi - ys.lo)) * (H - T - B);
   const root = svg("svg", { viewBox: `0 0 ${W} ${H}`, id: `${id}-svg`, "data-points": String(pts.length),
@@ -417,18 +557,67 @@ function lineChart(box, rows, key, { color, fmt, reshapes, id }) {
     g.append(svg("title", {}, `step ${e.step}: ${e.message}`));
     root.append(g);
   }
-  root.append(svg("polyline", { points: pts.map((p) => `${X(p.step).toFixed(1)},${Y(p[key]).toFixed(1)}`).join(" "),
-                                fill: "none", stroke: color, "stroke-width": 1.8, "stroke-linejoin": "round" }));
+  for (const s of skipped) {
+    if (s < x0 || s > x1) continue;
+    const g = svg("g", { class: "skipped-mark", "data-skipped": String(s) });
+    g.append(svg("line", { x1: X(s), x2: X(s), y1: T, y2: H - B, stroke: COLORS.skipped, "stroke-opacity": 0.55 }));
+    g.append(svg("path", { d: `M${X(s) - 4},${T - 4} l8,8 m0,-8 l-8,8`, stroke: COLORS.skipped, "stroke-width": 2 }));
+    g.append(svg("title", {}, `step ${s} skipped: its gradient was not finite`));
+    root.append(g);
+  }
+  for (const h of hlines) {
+    const g = svg("g", { class: "hline", "data-hline": String(h.y) });
+    g.append(svg("line", { x1: L, x2: W - R, y1: Y(h.y), y2: Y(h.y), stroke: h.color, "stroke-dasharray": "6 4" }));
+    g.append(svg("text", { x: W - R - 2, y: Y(h.y) - 4, "text-anchor": "end", "font-size": 11, fill: h.color }, h.label));
+    root.append(g);
+  }
+  let run = [];  // the line's runs of consecutive finite values
+  const flush = () => {
+    if (run.length > 1) root.append(svg("polyline", { points: run.join(" "), fill: "none", stroke: color, "stroke-width": 1.8,
+                                                       "stroke-linejoin": "round", "data-series": key }));
+    run = [];
+  };
+  for (const r of rows) {
+    if (finite(r[key])) run.push(`${X(r.step).toFixed(1)},${Y(r[key]).toFixed(1)}`); else flush();
+  }
+  flush();
+  const skip = new Set(skipped);
   if (pts.length <= MAX_MARKERS) {
     const r = pts.length > 1000 ? 1.2 : pts.length > 150 ? 1.8 : 2.6;
     for (const p of pts) {
-      const c = svg("circle", { cx: X(p.step).toFixed(1), cy: Y(p[key]).toFixed(1), r, fill: color,
-                                class: "point", "data-step": String(p.step) });
-      c.append(svg("title", {}, `step ${p.step}: ${fmt(p[key])}${p.rerun ? " (re-run)" : ""}`));
+      const marked = skip.has(p.step);
+      const c = svg("circle", { cx: X(p.step).toFixed(1), cy: Y(p[key]).toFixed(1), r: marked ? Math.max(r, 3.5) : r,
+                                fill: marked ? "#ffffff" : color, stroke: marked ? COLORS.skipped : "none",
+                                "stroke-width": marked ? 2 : 0, class: marked ? "point skipped" : "point",
+                                "data-step": String(p.step) });
+      c.append(svg("title", {}, tip ? tip(p) : `step ${p.step}: ${fmt(p[key])}${p.rerun ? " (re-run)" : ""}`));
       root.append(c);
     }
   }
+  for (const s of series) {  // drawn over the main series: they have few points
+    if (!s.pts.length) continue;
+    root.append(svg("polyline", { points: s.pts.map((p) => `${X(p.step).toFixed(1)},${Y(p[s.key]).toFixed(1)}`).join(" "),
+                                  fill: "none", stroke: s.color, "stroke-width": 1.6, "stroke-dasharray": "5 3",
+                                  "data-series": s.key }));
+    for (const p of s.pts) {
+      const c = svg("circle", { cx: X(p.step).toFixed(1), cy: Y(p[s.key]).toFixed(1), r: 3.6, fill: s.color,
+                                stroke: "#ffffff", "stroke-width": 1.2, class: "point", [s.attr]: String(p.step) });
+      c.append(svg("title", {}, `step ${p.step}: ${s.label} ${fmt(p[s.key])}`));
+      root.append(c);
+    }
+  }
+  root.setAttribute("data-series-points", series.map((s) => `${s.key}:${s.pts.length}`).join(" "));
+  const guide = svg("line", { class: "hover-guide", x1: 0, x2: 0, y1: T, y2: H - B, stroke: "#9aa5b1", visibility: "hidden" });
+  root.append(guide);
   box.replaceChildren(root);
+  box.scale = {
+    W, step: (vx) => x0 + ((vx - L) / (W - L - R)) * (x1 - x0),
+    guide: (s) => {
+      if (s == null) { guide.setAttribute("visibility", "hidden"); return; }
+      guide.setAttribute("x1", X(s).toFixed(1)); guide.setAttribute("x2", X(s).toFixed(1));
+      guide.setAttribute("visibility", "visible");
+    },
+  };
 }
 
 // ------------------------------------------------------------------ cancel
