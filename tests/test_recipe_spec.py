@@ -1,7 +1,6 @@
 """The training recipe (issue 16) without Ray: the learning rate per step (service/recipe.py),
 the spec's bad-input messages, and the one-process reference's recipe (tests/reference.py)
 against hand-written PyTorch loops on a tiny model."""
-import copy
 import math
 
 import pytest
@@ -10,7 +9,7 @@ import torch
 from service.loading import build_data, build_loss
 from service.recipe import check_precision, clip_coef, lr_at
 from service.spec import SpecError, parse_spec
-from tests import reference
+from tests import reference, test_spec
 from tests.conftest import FIXTURES
 
 BASE = {
@@ -21,14 +20,7 @@ BASE = {
 
 
 def spec_with(**changes):
-    d = copy.deepcopy(BASE)
-    for path, value in changes.items():
-        node = d
-        keys = path.split("__")
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-        node[keys[-1]] = value
-    return d
+    return test_spec.spec_with(BASE, **changes)
 
 
 def sched(name, warmup=0, min_lr=0.01, lr=0.1, steps=10):

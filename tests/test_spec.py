@@ -16,8 +16,9 @@ BASE = {
 }
 
 
-def spec_with(**changes):
-    d = copy.deepcopy(BASE)
+def spec_with(_base=None, **changes):
+    """``_base`` (BASE by default) with ``changes``: ``training__steps=3`` sets training.steps."""
+    d = copy.deepcopy(BASE if _base is None else _base)
     for path, value in changes.items():
         node = d
         keys = path.split("__")
