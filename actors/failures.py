@@ -105,7 +105,10 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
     cause = _cause(err)
     where = f" at step {step + 1}" if step is not None else f" {phase}"
     if isinstance(err, ray.exceptions.RayTaskError):
-        what = f"raised {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+        what = f"raised {type(cause).__name__}: {_first_line(cause)}"
+        inner = cause.__cause__
+        if inner is not None and _first_line(inner):  # a wrapper's words say little (torch's stage backward)
+            what += f" (from {type(inner).__name__}: {_first_line(inner)})"
         if isinstance(cause, ray.exceptions.RayTaskError) or type(cause).__name__.startswith("RayTaskError"):
             what = str(err).strip().splitlines()[-1]
     elif isinstance(err, ray.exceptions.ActorDiedError) and "__init__" in str(err):
@@ -116,6 +119,10 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
     else:
         what = f"raised {type(err).__name__}: {err}"
     return JobFailure(f"worker {name}{where} {what}", detail=traceback_text(name, err))
+
+
+def _first_line(e: BaseException) -> str:
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
