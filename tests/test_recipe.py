@@ -43,15 +43,16 @@ def assert_same_params(got: dict, want: dict, rtol=1e-4, atol=2e-5):
         torch.testing.assert_close(got[k], want[k], rtol=rtol, atol=atol, msg=lambda m: f"{k}: {m}")
 
 
-@pytest.mark.parametrize("dp, pp, schedule, checkpointing", [
-    (1, 1, "1f1b", False),
-    (1, 2, "gpipe", True),
-    (2, 2, "1f1b", True),
-    (1, 4, "gpipe", False),
-    (1, 4, "1f1b", True),
+@pytest.mark.parametrize("dp, pp, schedule, checkpointing, transport", [
+    (1, 1, "1f1b", False, "collective"),
+    (1, 2, "gpipe", True, "object_store"),  # no process group for activations: one for the norm
+    (2, 2, "1f1b", True, "collective"),
+    (1, 4, "gpipe", False, "collective"),
+    (1, 4, "1f1b", True, "collective"),
 ])
-def test_schedule_clipping_and_checkpointing_equal_one_process(ray_session, tmp_path, dp, pp, schedule, checkpointing):
-    spec = recipe_spec(dp, pp, schedule, activation_checkpointing=checkpointing)
+def test_schedule_clipping_and_checkpointing_equal_one_process(ray_session, tmp_path, dp, pp, schedule, checkpointing,
+                                                               transport):
+    spec = recipe_spec(dp, pp, schedule, transport, activation_checkpointing=checkpointing)
     final = run_job(spec=spec, out=str(tmp_path), progress=False)
     assert final["state"] == "SUCCEEDED", final.get("error")
     want = reference.run(spec, microbatched=True)
