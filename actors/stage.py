@@ -193,7 +193,7 @@ class StepRunner:
                         with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
                             inp = tr.recv(step, "eval", g, c.in_meta)
                     t0 = time.time()
-                    with torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16):
+                    with self._autocast():
                         out = self.stage(inp)
                         if c.last:
                             loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
@@ -225,6 +225,10 @@ class StepRunner:
             dist.all_reduce(sq)
         return mine, float(sq.sqrt())
 
+    def _autocast(self):
+        """Forward and loss under bf16 autocast with training.precision bf16 (a no-op otherwise)."""
+        return torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16)
+
     def _compute(self, inp: torch.Tensor) -> torch.Tensor:
         """The stage's layers on one microbatch, each recomputed in backward with checkpointing."""
         if not self.recipe.checkpointing:
@@ -244,7 +248,7 @@ class StepRunner:
             if inp.is_floating_point():
                 inp.requires_grad_()
         t0 = time.time()
-        with torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16):
+        with self._autocast():
             out = self._compute(inp)
             if c.last:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
