@@ -3,6 +3,7 @@ off-node *peer*, actors/statekeeper.py) and of its own stage until a newer copy 
 from __future__ import annotations
 
 import threading
+import time
 
 from actors.state import merge_states, subset_state
 
@@ -35,3 +36,59 @@ class KeptCopies:
         with self._lock:
             self._copies = {k: v for k, v in self._copies.items() if k[2] >= before}
             return len(self._copies)
+
+
+class Uploads:
+    """Checkpoint parts being written in the background.  A part's state is copied in the
+    upload's own thread while the next step computes (the parameters and the optimizer state do
+    not change until the next optimizer step, which waits for the copy: ``wait_copied``), then
+    written out while the worker trains on."""
+
+    def __init__(self):
+        self._running: dict[int, tuple[threading.Thread, dict, threading.Event]] = {}  # step -> ...
+        self._lock = threading.Lock()
+
+    def start(self, step: int, copy, write) -> None:
+        """In a thread: ``state = copy()``, then ``write(state)`` (returns the part's entry);
+        ``wait(step)`` gives the entry, with ``copy_s`` and ``write_s``."""
+        outcome: dict = {}
+        copied = threading.Event()
+
+        def run():
+            try:
+                t0 = time.perf_counter()
+                try:
+                    state = copy()
+                finally:
+                    copied.set()
+                t1 = time.perf_counter()
+                outcome["entry"] = dict(write(state), copy_s=round(t1 - t0, 4),
+                                        write_s=round(time.perf_counter() - t1, 4))
+            except BaseException as e:  # handed to whoever waits
+                outcome["error"] = e
+
+        t = threading.Thread(target=run, name=f"relaytrain-upload-{step}", daemon=True)
+        with self._lock:
+            self._running[step] = (t, outcome, copied)
+        t.start()
+
+    def wait_copied(self) -> None:
+        """Until every upload has its copy of the state (before the state changes)."""
+        with self._lock:
+            events = [c for _, _, c in self._running.values()]
+        for c in events:
+            c.wait()
+
+    def wait(self, step: int) -> dict:
+        """The entry of step ``step``'s part once it is written; its error if it failed."""
+        with self._lock:
+            got = self._running.get(step)
+        if got is None:
+            raise RuntimeError(f"no checkpoint part of step {step} was started here")
+        t, outcome, _ = got
+        t.join()
+        with self._lock:
+            self._running.pop(step, None)
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["entry"]

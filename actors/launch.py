@@ -106,6 +106,24 @@ def find_scheduler(job_id: str):
         return None
 
 
+def wait_actors_gone(job_id: str, timeout: float) -> bool:
+    """Wait until no named actor of the job lives (a lost scheduler's workers die with it, a
+    moment later); True if none is left."""
+    import time
+
+    prefix = f"relaytrain:{job_id}:"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            left = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                    if a["namespace"] == NAMESPACE and a["name"].startswith(prefix)]
+        except Exception:
+            left = []
+        if not left or time.monotonic() > deadline:
+            return not left
+        time.sleep(0.2)
+
+
 def release_placement_group(job_id: str) -> None:
     """Free the worker slots of a job whose scheduler died without cleaning up (its placement
     group is detached, so nothing else would)."""

@@ -3,7 +3,10 @@
 DIR/model/         the final model: a safetensors shard per stage and its index (service/shards.py)
 DIR/model.pt       the same in one file (the model's state_dict), up to RELAYTRAIN_MODEL_PT_MAX_MB (1024)
 DIR/metrics.jsonl  one row per committed step, flushed as it commits
-DIR/events.jsonl   started, shape, checkpoints, finished, failures
+DIR/events.jsonl   started, shape, checkpoints, restarts, finished, failures
+
+A job whose scheduler actor is lost restarts from its newest complete checkpoint while the
+spec's ``restarts.max`` allows (service/restarts.py), as a submitted job does.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from pathlib import Path
 from typing import Optional
 
 from actors import launch
-from service import checkpoint, shards
+from service import checkpoint, restarts, shards
 from service.loading import preflight, search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
@@ -67,7 +70,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         spec_dir = spec_dir or str(Path(spec_path).resolve().parent)
     search = search_dirs(spec_dir)
     preflight(spec, search)
-    ckpt_root = str(Path(spec.checkpoint.path).resolve()) if spec.checkpoint.every_steps else None
+    ckpt_root = restarts.checkpoint_root(spec)
+    restarts.check_storage(ckpt_root)
     resume_path = None
     if resume is not None:
         try:
@@ -84,15 +88,24 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None
     sched = None
+    seen = _Seen(spec, progress)
     try:
         launch.check_fits(spec)
-        sched = launch.start_scheduler(
-            job_id, spec.model_dump(mode="json"), search,
-            runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
-            checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
-            store_url=store.url if store else None, model_dir=str(model_dir))
-        done_ref = sched.run.remote()
-        final = _follow(sched, done_ref, outputs, spec, progress)
+        rerun_through, used = 0, 0
+        while True:
+            sched = launch.start_scheduler(
+                job_id, spec.model_dump(mode="json"), search,
+                runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
+                checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
+                store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through)
+            try:
+                final = _follow(sched, sched.run.remote(), outputs, seen)
+                break
+            except ray.exceptions.RayActorError:  # the scheduler was lost: restart it, or say why not
+                resume_path = _restart_from(spec, ckpt_root, used, seen.committed, outputs, store, job_id)
+                rerun_through, used = seen.committed, used + 1
+                launch.wait_actors_gone(job_id, timeout=30.0)
+                launch.release_placement_group(job_id)
         if final["state"] != JobState.SUCCEEDED.value:
             detail = next((e.get("detail", "") for e in reversed(final["events"]) if e["type"] == "failed"), "")
             raise JobFailed(final["error"] or f"job ended {final['state']}", detail, final)
@@ -108,11 +121,37 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             outputs.event("failed", f"{type(e).__name__}: {e}")
         raise
     finally:
+        seen.close()
         outputs.close()
         if sched is not None:
             launch.stop(sched, job_id)
         if started_ray:
             ray.shutdown()
+
+
+def _restart_from(spec: JobSpec, root: Optional[str], used: int, committed: int, outputs: "_Outputs", store,
+                  job_id: str) -> str:
+    """The checkpoint a job whose scheduler was lost restarts from (a ``restarted`` event says
+    so); raises :class:`JobFailed` when it does not restart (service/restarts.py)."""
+    reason = "the job's scheduler actor was lost (killed, out of memory, or its node went)"
+    newest = checkpoint.latest(root) if root and used < spec.restarts.max else None
+    step = checkpoint.step_of(newest) if newest is not None else None
+    d = restarts.decide(spec, used=used, committed=committed, newest_step=step, reason=reason)
+    if not d.restart:
+        row = {"type": "failed", "message": d.message}
+        if store:
+            store.set_state(job_id, JobState.FAILED, error=d.message)
+            store.add_events(job_id, [row])
+        outputs.event("failed", d.message)
+        raise JobFailed(d.message)
+    row = {"type": "restarted", "message": d.message, "reason": reason, "restart": used + 1,
+           "restarts_max": spec.restarts.max, "from_step": step, "rerun_steps": max(0, committed - step),
+           "checkpoint": str(newest)}
+    outputs.event(row["type"], row["message"], **{k: v for k, v in row.items() if k not in ("type", "message")})
+    if store:
+        store.add_events(job_id, [row])
+    print(f"relaytrain: {d.message}", file=sys.stderr)
+    return str(newest)
 
 
 def _record_in_store(job_id: str, spec: JobSpec):
@@ -131,43 +170,68 @@ def _record_in_store(job_id: str, spec: JobSpec):
         return None
 
 
-def _follow(sched, done_ref, outputs: _Outputs, spec: JobSpec, progress: bool) -> dict:
-    """Copy the scheduler's new metrics and events to the files until it ends."""
+class _Seen:
+    """What the schedulers of a run reported so far (a restarted run has several), and the
+    progress bar."""
+
+    def __init__(self, spec: JobSpec, progress: bool):
+        self.events: list[dict] = []
+        self.metrics: list[dict] = []
+        self.committed = 0   # the most steps ever committed
+        self.bar = None
+        if progress:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=spec.training.steps, desc=spec.name, unit="step", file=sys.stderr,
+                            dynamic_ncols=True)
+
+    def add(self, snap: dict) -> None:
+        self.events += snap["events"]
+        self.metrics += snap["metrics"]
+        self.committed = max([self.committed] + [m["step"] for m in snap["metrics"]])
+        bar = self.bar
+        if bar is not None:
+            if snap["metrics"]:
+                last = snap["metrics"][-1]
+                bar.n = bar.last_print_n = last["step"]
+                bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped",
+                                samples_s=f"{last['samples_per_s']:.0f}", shape=f"{last['dp']}x{last['pp']}")
+            elif bar.n == 0 and snap["step"]:
+                bar.n = bar.last_print_n = snap["step"]
+            bar.refresh()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
+    """Copy the scheduler's new metrics and events to the files until it ends; raises Ray's
+    actor error when the scheduler is lost."""
     import ray
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=spec.training.steps, desc=spec.name, unit="step", file=sys.stderr, dynamic_ncols=True)
     m_seen = e_seen = 0
-    all_events: list[dict] = []
-    all_metrics: list[dict] = []
-    try:
-        while True:
-            finished = bool(ray.wait([done_ref], timeout=0.2)[0])
+    unavailable_since = None
+    while True:
+        finished = bool(ray.wait([done_ref], timeout=0.2)[0])
+        try:
             snap = ray.get(sched.poll.remote(m_seen, e_seen))
-            outputs.write(outputs.metrics, snap["metrics"])
-            outputs.write(outputs.events, snap["events"])
-            all_events += snap["events"]
-            all_metrics += snap["metrics"]
-            m_seen += len(snap["metrics"])
-            e_seen += len(snap["events"])
-            if bar is not None:
-                if bar.n == 0 and snap["step"]:
-                    bar.n = bar.last_print_n = snap["step"] - len(snap["metrics"])
-                if snap["metrics"]:
-                    last = snap["metrics"][-1]
-                    bar.update(len(snap["metrics"]))
-                    bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped", samples_s=f"{last['samples_per_s']:.0f}",
-                                    shape=f"{last['dp']}x{last['pp']}")
-            if finished:
-                final = ray.get(done_ref)  # the report, with the newest steps' timelines
-                final.update(metrics=all_metrics, events=all_events)
-                return final
-    finally:
-        if bar is not None:
-            bar.close()
+            unavailable_since = None
+        except ray.exceptions.ActorUnavailableError:  # maybe a passing network fault: dead only when it stays
+            unavailable_since = unavailable_since or time.monotonic()
+            if time.monotonic() - unavailable_since > 30.0:
+                raise
+            time.sleep(1.0)
+            continue
+        outputs.write(outputs.metrics, snap["metrics"])
+        outputs.write(outputs.events, snap["events"])
+        seen.add(snap)
+        m_seen += len(snap["metrics"])
+        e_seen += len(snap["events"])
+        if finished:
+            final = ray.get(done_ref)  # the report, with the newest steps' timelines
+            final.update(metrics=seen.metrics, events=seen.events)
+            return final
 
 
 def _save_model(index: dict, model_dir: Path, path: Path) -> Path:

@@ -29,11 +29,13 @@ from service.spec import JobSpec
 class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
-                 store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None):
+                 store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None,
+                 rerun_through: int = 0):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
         self.record = JobRecord(job_id, self.spec.training.steps, store_url)
+        self.record.high = rerun_through  # a restarted job: the steps its lost scheduler committed run again
         self.group = WorkerGroup(job_id, self.spec, search, timeout=timeout, start_timeout=start_timeout,
                                  detached=detached, log=self.record.log_output)
         self.keeper = StateKeeper(self.group, checkpoint_root, resume, timeout)

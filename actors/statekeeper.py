@@ -11,16 +11,16 @@ node, or dp at least the nodes) does the scheduler keep that stage's copy itself
 
 The interface the controller uses: ``take_snapshot`` after a commit, ``snapshot_landed``
 before the next commit, ``newest_copy`` when layers were lost, ``sources`` when installing
-a shape, ``save_checkpoint`` and ``write_final`` (each stage writes its own part)."""
+a shape, checkpoints (actors/checkpoints.py) and ``write_final`` (each stage writes its own part)."""
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from typing import Optional
 
 import ray
 
+from actors.checkpoints import CheckpointWriter
 from actors.failures import JobFailure
 from actors.state import subset_state
 from actors.workergroup import WorkerGroup
@@ -40,6 +40,7 @@ class StateKeeper:
         self._busy = 0                                   # snapshot fetches in flight
         self._thread: Optional[threading.Thread] = None
         self._cond = threading.Condition()
+        self.writer: Optional[CheckpointWriter] = None   # checkpoints on storage, written beside the steps
 
     # ---------------------------------------------------------------- the off-node copy
 
@@ -198,33 +199,15 @@ class StateKeeper:
         return shards.index_of(entries, {"format": "pt", "step": committed, "order": order})
 
     def after_commit(self, committed: int, spec, record, job_id: str) -> None:
-        """The off-node snapshot and the checkpoint the spec asks for after ``committed`` steps.
-        An elastic job skips a checkpoint a lost worker could not write (the next step
-        notices the loss and recovers); any other job fails."""
+        """The off-node snapshot and the checkpoint the spec asks for after ``committed`` steps
+        (the checkpoint is written beside the next steps: actors/checkpoints.py)."""
         snap = spec.elastic.snapshot_every_steps if spec.elastic.enabled else 0
         if snap and committed % snap == 0:
             self.take_snapshot(committed)
-        every = spec.checkpoint.every_steps
-        if not (every and (committed % every == 0 or committed == spec.training.steps) and self.checkpoint_root):
-            return
-        try:
-            path = self.save_checkpoint(committed, {"job_id": job_id, "name": spec.name}, keep=spec.checkpoint.keep)
-        except JobFailure as e:
-            if not spec.elastic.enabled:
-                raise
-            record.event("checkpoint_skipped", f"checkpoint of step {committed} skipped: {e}", step=committed)
-            return
-        record.event("checkpoint", f"checkpoint of step {committed} at {path}", step=committed, path=path)
-
-    def save_checkpoint(self, step: int, meta: dict, keep: int) -> str:
-        """Every stage writes its own part, at once; the manifest goes last."""
-        folder = checkpoint.begin(self.checkpoint_root, step)
-        try:
-            parts = self._from_stages("save_part", step, str(folder), step)
-        except BaseException:
-            shutil.rmtree(folder, ignore_errors=True)
-            raise
-        return str(checkpoint.finish(self.checkpoint_root, folder, step, parts, meta, keep=keep))
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.group, self.checkpoint_root, spec, record,
+                                           {"job_id": job_id, "name": spec.name}, self.timeout)
+        self.writer.after_commit(committed)
 
     # ---------------------------------------------------------------- where a new shape's layers come from
 

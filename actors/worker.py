@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from actors.copies import KeptCopies
+from actors.copies import KeptCopies, Uploads
 from actors.failures import talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, Recipe, StepRunner
@@ -79,6 +79,7 @@ class StageWorker:
         self.recipe: Optional[ModelRecipe] = None   # builds any layer of the model (user code, imported once)
         self.bounds: list = []
         self.copies = KeptCopies()  # other stages' state (this worker is their peer) and its own, by step
+        self.uploads = Uploads()    # checkpoint parts being written in the background
         self._aborted: Optional[int] = None
         self.update: tuple[float, bool] = (1.0, False)  # the pending step's (clip factor, skipped)
         gc.collect()  # the imports' garbage goes; what lives on (torch's, Ray's objects) is frozen:
@@ -113,6 +114,7 @@ class StageWorker:
         coef, skip = self.update
         if skip:
             return
+        self.uploads.wait_copied()  # a checkpoint's copy of the parameters is taken first
         if coef < 1.0:
             for q in self.stage.parameters():
                 if q.grad is not None:
@@ -186,13 +188,28 @@ class StageWorker:
         if self.applied != committed:
             raise RuntimeError(f"{self!r} holds step {self.applied}, not the committed step {committed}")
 
-    def save_part(self, folder: str, committed: int) -> dict:
-        """Write this stage's part of the checkpoint of step ``committed`` into ``folder``
-        (service/checkpoint.py, format 2): its parameters and optimizer state, by name."""
+    def save_part(self, folder: str, committed: int) -> float:
+        """Start writing this stage's part of the checkpoint of step ``committed`` into
+        ``folder`` (a path or a URL; service/checkpoint.py): its parameters, buffers and
+        optimizer state, by name.  Buffers are copied here (a forward may change them); the
+        parameters and the optimizer state are copied in the upload's thread while the next
+        step computes (the next optimizer step waits for that copy), then written in the
+        background.  ``part_written(committed)`` returns the part's entry.  Returns the
+        seconds this call took."""
+        t0 = time.perf_counter()
         with self._lock:
             self._committed(committed)
-            opt = optimizer_state_by_name(self.optimizer, self.param_names)
-            return checkpoint.write_part(folder, self.cell.pp_rank, self.cell.pp, self.stage.state_dict(), opt)
+            params = {n for n, _ in self.stage.named_parameters()}
+            live = {"model": {k: v if k in params else clone(v) for k, v in self.stage.state_dict().items()},
+                    "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
+        index, count = self.cell.pp_rank, self.cell.pp
+        self.uploads.start(committed, lambda: clone(live),
+                           lambda state: checkpoint.write_part(folder, index, count, state["model"], state["optim"]))
+        return time.perf_counter() - t0
+
+    def part_written(self, committed: int) -> dict:
+        """The entry of this stage's part of step ``committed``'s checkpoint, once written."""
+        return self.uploads.wait(committed)
 
     def write_final(self, committed: int, out: dict) -> dict:
         """Write this stage's shard of the final model (safetensors, by the whole model's
@@ -229,6 +246,7 @@ class StageWorker:
         ``sources`` are object refs (or dicts) of {model, optim} state for layers this worker
         does not hold; they override anything held.  A layer with no state is built, and at
         step 0 any layer may be built from the seeded model."""
+        self.uploads.wait_copied()  # a checkpoint being written has its copy before layers change
         with self._lock:
             committed = cell["committed"]
             self._settle(committed)

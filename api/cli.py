@@ -97,8 +97,13 @@ def _client(args):
 def _print_job(job: dict) -> None:
     shape = job.get("shape") or {}
     loss = f"{job['loss']:.6g}" if job.get("loss") is not None else "-"
+    most = (job.get("spec") or {}).get("restarts", {}).get("max", 0)
+    ckpt = job.get("checkpoint")
     print(f"{job['id']}  {job['state']:<10} step {job['step']}/{job['steps']}  loss {loss}  "
-          f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}" + (f"\n  error: {job['error']}" if job.get("error") else ""))
+          f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}"
+          + (f"  restarts {job.get('restarts', 0)}/{most}" if most or job.get("restarts") else "")
+          + (f"\n  checkpoint: step {ckpt['step']} at {ckpt['path']}" if ckpt else "")
+          + (f"\n  error: {job['error']}" if job.get("error") else ""))
 
 
 def _submit(args) -> int:

@@ -2,8 +2,10 @@
 
 It validates and stores a job, starts its detached, named JobScheduler actor and
 forgets it: the scheduler writes progress to the store itself, so this process holds no
-training state and may restart at any time.  ``reconcile`` marks FAILED the active jobs
-whose scheduler actor is gone (the cluster restarted), so none stays RUNNING forever.
+training state and may restart at any time.  ``reconcile`` finds the active jobs whose
+scheduler actor is gone (killed, out of memory, its node or the cluster lost): it restarts
+them from their newest complete checkpoint while ``restarts.max`` allows, and marks the others
+FAILED saying why, so none stays RUNNING forever.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from actors import launch
-from service import logtext, packages, rayconnect, shards
+from service import checkpoint, logtext, packages, rayconnect, restarts, shards
 from service.loading import check_structure
 from service.names import NAMESPACE
 from service.settings import Settings
@@ -113,7 +115,7 @@ class JobManager:
         if idempotency_key:
             existing = self.store.find_by_idempotency_key(tenant, idempotency_key)
             if existing is not None:
-                return existing, False
+                return self.get(tenant, existing["id"]), False
         env = dict(spec.runtime_env)
         wd = env.get("working_dir")
         if wd is not None:
@@ -132,6 +134,9 @@ class JobManager:
                 raise Invalid(str(e)) from None
         try:
             launch.check_fits(spec, self.settings.cluster_max_cpus, self.settings.cluster_max_gpus)
+            path = spec.checkpoint.path
+            if spec.checkpoint.every_steps and restarts.is_url(path):  # a local folder is the server's own
+                restarts.check_storage(path)
         except SpecError as e:
             raise Invalid(str(e)) from None
         if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
@@ -142,22 +147,20 @@ class JobManager:
         if created:
             self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
             self._launch(job)
-            job = self.store.get_job(job_id)
-        return job, created
+        return self.get(tenant, job["id"]), created
 
-    def _launch(self, job: dict) -> None:
+    def _launch(self, job: dict, resume: Optional[str] = None, rerun_through: int = 0) -> None:
+        """Start the job's scheduler (for a restart: resuming from the checkpoint ``resume``,
+        its steps up to ``rerun_through`` marked as re-runs)."""
         spec = JobSpec.model_validate(job["spec"])
         env = dict(spec.runtime_env)
         self._starting.add(job["id"])  # until its actor is up (see reconcile)
         try:
             if env.get("working_dir"):
                 packages.ensure_in_cluster(env["working_dir"], self.settings.packages_dir)
-            ckpt = Path(spec.checkpoint.path)
-            if not ckpt.is_absolute():
-                ckpt = self.settings.home / "checkpoints" / job["tenant"] / job["id"]
             actor = launch.start_scheduler(
                 job["id"], job["spec"], [], runtime_env=env, detached=True,
-                checkpoint_root=str(ckpt) if spec.checkpoint.every_steps else None,
+                checkpoint_root=self.checkpoint_root(job), resume=resume, rerun_through=rerun_through,
                 start_timeout=self.settings.start_timeout_s, store_url=self.store.url)
             ref = actor.start.remote()
         except Exception as e:
@@ -165,6 +168,11 @@ class JobManager:
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
             return
         threading.Thread(target=self._watch_start, args=(job["id"], ref), daemon=True).start()
+
+    def checkpoint_root(self, job: dict) -> Optional[str]:
+        """Where a submitted job's checkpoints go (service/restarts.py)."""
+        return restarts.checkpoint_root(JobSpec.model_validate(job["spec"]), home=self.settings.home,
+                                        tenant=job["tenant"], job_id=job["id"])
 
     def _watch_start(self, job_id: str, ref) -> None:
         import ray
@@ -187,7 +195,12 @@ class JobManager:
         job = self.store.get_job(job_id, tenant)
         if job is None:
             raise NotFound(f"no job {job_id!r}")
-        return job
+        return {**job, **self.store.durability([job_id])[job_id]}
+
+    def with_durability(self, rows: list[dict]) -> list[dict]:
+        """Jobs with their restarts and newest checkpoint (for a page of them)."""
+        got = self.store.durability([r["id"] for r in rows])
+        return [{**r, **got[r["id"]]} for r in rows]
 
     def cancel(self, tenant: str, job_id: str, wait: float = 15.0) -> dict:
         import ray
@@ -195,6 +208,8 @@ class JobManager:
         job = self.get(tenant, job_id)
         if JobState(job["state"]).is_terminal:
             raise Conflict(f"job {job_id} already ended {job['state']}; only active jobs can be cancelled")
+        # first on record: a job whose scheduler is lost while it stops is never restarted
+        self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
         actor = launch.find_scheduler(job_id)
         if actor is not None:
             try:
@@ -348,7 +363,8 @@ class JobManager:
     # ---------------------------------------------------------------- reconcile
 
     def reconcile(self) -> int:
-        """Mark FAILED each active job whose scheduler actor is gone; returns how many."""
+        """Restart (spec ``restarts``) or end each active job whose scheduler actor is gone;
+        returns how many were found."""
         active = [s.value for s in JobState if not s.is_terminal]
         jobs, _ = self.store.list_jobs(states=active, limit=10000)
         lost = 0
@@ -358,11 +374,51 @@ class JobManager:
             if launch.find_scheduler(job["id"]) is None:
                 fresh = self.store.get_job(job["id"])
                 if fresh and not JobState(fresh["state"]).is_terminal:
-                    self._fail(job["id"], "the job's scheduler actor is gone (the Ray cluster restarted or lost "
-                                          "its node); the job can not go on")
-                    launch.release_placement_group(job["id"])
+                    self._scheduler_lost(fresh)
                     lost += 1
         return lost
+
+    LOST = "the job's scheduler actor was lost (killed, out of memory, or its node or the Ray cluster went)"
+
+    def _scheduler_lost(self, job: dict) -> None:
+        """Restart the job from its newest complete checkpoint when its spec allows, else end it
+        saying why.  A job its user was cancelling ends CANCELLED."""
+        job_id = job["id"]
+        spec = JobSpec.model_validate(job["spec"])
+        launch.release_placement_group(job_id)
+        past = self.store.events_of(job_id, ["restarted", "cancel_requested"])
+        used = sum(e["type"] == "restarted" for e in past)
+        cancelling = any(e["type"] == "cancel_requested" for e in past)
+        root, newest = self.checkpoint_root(job), None
+        if root and used < spec.restarts.max and not cancelling:
+            try:
+                newest = checkpoint.latest(root)
+            except Exception as e:
+                self._fail(job_id, f"{self.LOST}, and its checkpoints at {root} could not be read: "
+                                   f"{type(e).__name__}: {e}")
+                return
+        step = checkpoint.step_of(newest) if newest is not None else None
+        d = restarts.decide(spec, used=used, committed=job["step"], newest_step=step, reason=self.LOST,
+                            cancelling=cancelling)
+        if cancelling:
+            if self.store.set_state(job_id, JobState.CANCELLED):
+                self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])
+            return
+        if not d.restart:
+            self._fail(job_id, d.message)
+            return
+        self.store.add_events(job_id, [{"type": "restarted", "message": d.message, "reason": self.LOST,
+                                        "restart": used + 1, "restarts_max": spec.restarts.max, "from_step": step,
+                                        "rerun_steps": max(0, job["step"] - step), "checkpoint": str(newest)}])
+        self._starting.add(job_id)
+        threading.Thread(target=self._restart, args=(job, str(newest)), daemon=True).start()
+
+    def _restart(self, job: dict, resume: str) -> None:
+        try:
+            launch.wait_actors_gone(job["id"], timeout=30.0)  # the lost scheduler's workers free their slots
+        finally:
+            self._starting.discard(job["id"])
+        self._launch(job, resume=resume, rerun_through=job["step"])
 
     def start_background(self) -> None:
         def loop():

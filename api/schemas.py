@@ -22,11 +22,15 @@ class JobOut(BaseModel):
     started_at: Optional[float] = None
     ended_at: Optional[float] = None
     error: Optional[str] = Field(None, description="why the job failed")
+    restarts: int = Field(0, description="times the job was restarted from a checkpoint after its scheduler was lost")
+    checkpoint: Optional[dict[str, Any]] = Field(
+        None, description="the newest complete checkpoint: step, path (a folder or URL) and time; the one a "
+                          "restart resumes from")
     spec: dict[str, Any]
 
     @classmethod
     def from_row(cls, row: dict) -> "JobOut":
-        return cls(**{k: row.get(k) for k in cls.model_fields})
+        return cls(**{k: row[k] for k in cls.model_fields if k in row})
 
 
 class JobPage(BaseModel):

@@ -11,9 +11,16 @@ Format 1 (still read): ``<root>/step-00000050/{state.pt,meta.json}``, the whole 
 
 Names are those of the whole model (``"3.weight"``: layer 3), so any shape can load any
 checkpoint, and a loader opens only the parts holding the names it asks for. A checkpoint is
-complete when its ``meta.json`` exists and names parts that exist; the manifest is written last,
-so this holds where there is no rename too. On a local disk the parts are also written into a
-hidden ``.tmp-*`` folder that is renamed into place, so a reader never sees half of one.
+complete when its ``meta.json`` exists and names parts that exist (on remote storage, with the
+sizes it says); the manifest is written last, so this holds where there is no rename too. On a
+local disk the parts are also written into a hidden ``.tmp-*`` folder that is renamed into place,
+so a reader never sees half of one.
+
+``root`` and every folder may be a local path (``str`` or ``Path``; ``file://`` URLs too) or a URL
+of storage fsspec reaches (``s3://bucket/prefix``, see service/storage.py). Remote storage has no
+rename: :func:`begin` empties the final ``step-NNNNNNNN`` folder (its manifest first) and the
+parts go straight into it. Folders come back as ``Path`` for a local root, as ``str`` URLs for a
+remote one.
 
 Writing, one process per stage::
 
@@ -23,6 +30,7 @@ Writing, one process per stage::
 """
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -34,12 +42,16 @@ from typing import Callable, Iterable, Optional, Union
 
 import torch
 
+from service import storage
+
 _DIR_RE = re.compile(r"^step-(\d{8})$")
 _PART_RE = re.compile(r"^part-(\d{5})-of-(\d{5})\.pt$")
 FORMAT = 2
 STALE_TMP_SECONDS = 3600.0
+UPLOAD_BLOCK = 16 * 2**20  # bytes a part is uploaded in (S3 takes up to 10,000 blocks: parts up to 160 GiB)
 
 Names = Union[None, Iterable[str], Callable[[str], bool]]
+Where = Union[Path, str]  # a local folder, or the URL of a remote one
 
 
 def _fsync_dir(path: Path) -> None:
@@ -76,6 +88,116 @@ def _wanted(names: Names) -> Callable[[str], bool]:
     return names.__contains__
 
 
+def _loc(path: str | Path) -> Where:
+    """A local ``Path`` (as given, or of a ``file://`` URL), or a remote URL without a trailing slash."""
+    if storage.is_local(path):
+        return Path(path) if isinstance(path, os.PathLike) or "://" not in path else Path(storage.local_path(path))
+    url = str(path)
+    stripped = url.rstrip("/")
+    return url if stripped.endswith(":") else stripped  # "memory://" stays whole
+
+
+def _child(folder: Where, name: str) -> Where:
+    if isinstance(folder, Path):
+        return folder / name
+    return (folder if folder.endswith("/") else folder + "/") + name
+
+
+def _rm_quiet(fs, path: str, recursive: bool = False) -> None:
+    try:
+        fs.rm(path, recursive=recursive)
+    except FileNotFoundError:
+        pass
+
+
+def _files(folder: str) -> dict[str, int]:
+    """The files directly in remote ``folder`` and their sizes (one listing, never cached)."""
+    fs, path = storage.fs_and_path(folder)
+    try:
+        entries = fs.ls(path, detail=True)
+    except FileNotFoundError:
+        return {}
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: e.get("size") for e in entries if e.get("type") == "file"}
+
+
+class _RemoteFile(io.RawIOBase):
+    """A remote file, read-only and seekable, for ``torch.load``: its many small reads (the zip's
+    headers, the pickle) come from one cached block; a large one (a tensor's bytes) is fetched
+    in ranges, several at once, straight into the tensor's memory (torch reads with readinto),
+    so besides the tensor only those few ranges are held, never a copy of it whole."""
+
+    BLOCK = 1 << 20  # bytes cached for small reads
+    RANGE = 8 << 20  # a large read's ranges, fetched CONCURRENT at a time
+    CONCURRENT = 8
+
+    def __init__(self, fs, path: str):
+        super().__init__()
+        self.fs, self.path = fs, path
+        self.size = fs.size(path)
+        self.pos, self.block_at, self.block = 0, 0, b""
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = max(0, {0: 0, 1: self.pos, 2: self.size}[whence] + offset)
+        return self.pos
+
+    def readinto(self, b) -> int:
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self.size - self.pos))
+        start = self.pos
+        if n > self.BLOCK:
+            starts = list(range(start, start + n, self.RANGE))
+            for i in range(0, len(starts), self.CONCURRENT):
+                batch = starts[i:i + self.CONCURRENT]
+                ends = [min(s + self.RANGE, start + n) for s in batch]
+                for s, e, data in zip(batch, ends, self.fs.cat_ranges([self.path] * len(batch), batch, ends)):
+                    if len(data) != e - s:
+                        raise OSError(f"{self.path}: read {len(data)} bytes at {s}, expected {e - s}")
+                    out[s - start:e - start] = data
+        elif n:
+            if not (self.block_at <= start and start + n <= self.block_at + len(self.block)):
+                self.block_at, self.block = start, self.fs.cat_file(
+                    self.path, start=start, end=min(start + self.BLOCK, self.size))  # by name: s3fs differs
+            at = start - self.block_at
+            out[:n] = self.block[at:at + n]
+        self.pos += n
+        return n
+
+
+def _torch_load(file: Where):
+    """A part's (or a format 1 ``state.pt``'s) contents: memory-mapped from a local disk, read
+    through fsspec from remote storage."""
+    if isinstance(file, Path):
+        return torch.load(file, map_location="cpu", mmap=True, weights_only=False)
+    fs, path = storage.fs_and_path(file)
+    with _RemoteFile(fs, path) as f:
+        return torch.load(f, map_location="cpu", weights_only=False)
+
+
+def remove(path: str | Path) -> None:
+    """Remove a checkpoint folder (or one :func:`begin` gave) and all in it, its manifest first,
+    so that a crash halfway leaves no manifest naming missing parts. A missing folder is fine."""
+    where = _loc(path)
+    if isinstance(where, Path):
+        if where.is_dir():
+            (where / "meta.json").unlink(missing_ok=True)
+        shutil.rmtree(where, ignore_errors=True)
+        return
+    fs, p = storage.fs_and_path(where)
+    if "/" not in p.strip("/"):
+        raise ValueError(f"{where} is the top of its storage (a whole bucket), not a checkpoint folder")
+    _rm_quiet(fs, p + "/meta.json")
+    _rm_quiet(fs, p, recursive=True)
+
+
 # ---------------------------------------------------------------- writing
 
 
@@ -84,10 +206,23 @@ def part_name(index: int, count: int) -> str:
     return f"part-{index:05d}-of-{count:05d}.pt"
 
 
-def begin(root: str | Path, step: int) -> Path:
+def begin(root: str | Path, step: int, clean: bool = True) -> Where:
     """A fresh hidden folder under ``root`` for the parts of step ``step``'s checkpoint.
-    Temporary folders left over from a crash more than an hour ago are removed."""
-    root = Path(root)
+    Temporary folders left over from a crash more than an hour ago are removed.
+
+    On remote storage (no rename) the folder is the final ``<root>/step-NNNNNNNN``, emptied of a
+    checkpoint of the same step: its manifest first, then its parts, so that a crash never
+    leaves an old manifest naming new parts.  ``clean=False`` skips that (two requests) for a
+    step whose folder the caller knows is not there (see :func:`step_folders`)."""
+    root = _loc(root)
+    if not isinstance(root, Path):
+        folder = _child(root, f"step-{step:08d}")
+        if clean:
+            fs, path = storage.fs_and_path(folder)
+            _rm_quiet(fs, path + "/meta.json")
+            _rm_quiet(fs, path, recursive=True)
+        storage.makedirs(folder)
+        return folder
     root.mkdir(parents=True, exist_ok=True)
     now = time.time()
     for old in root.glob(".tmp-*"):
@@ -106,10 +241,49 @@ def write_part(folder: str | Path, index: int, count: int, model: dict, optim: d
     into ``folder``; return its entry for :func:`finish`. Stages call it at the same time."""
     if not 0 <= index < count:
         raise ValueError(f"part {index} of {count}: the index must be in [0, {count})")
-    path = Path(folder) / part_name(index, count)
+    folder = _loc(folder)
+    entry = {"file": part_name(index, count), "model": list(model), "optim": list(optim.get("state", {}))}
+    if not isinstance(folder, Path):
+        fs, path = storage.fs_and_path(_child(folder, entry["file"]))
+        _write_stream(fs, path, lambda f: torch.save({"model": model, "optim": optim}, f))
+        return {**entry, "bytes": fs.size(path)}
+    path = folder / entry["file"]
     _write_atomic(path, lambda f: torch.save({"model": model, "optim": optim}, f))
-    return {"file": path.name, "model": list(model), "optim": list(optim.get("state", {})),
-            "bytes": path.stat().st_size}
+    return {**entry, "bytes": path.stat().st_size}
+
+
+class _Blocks:
+    """A write-only file that hands ``f`` at most ``size`` bytes a write, so that fsspec's
+    buffered files (S3: a multipart upload) send a block at a time rather than first copying a
+    whole tensor's bytes into their buffer."""
+
+    def __init__(self, f, size: int):
+        self.f, self.size = f, size
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        for i in range(0, len(view), self.size):
+            self.f.write(view[i:i + self.size])
+        return len(view)
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def _write_stream(fs, path: str, write: Callable) -> None:
+    """``write(f)`` straight into remote ``path``, uploaded a block at a time (at most about two
+    blocks in memory, no copy of the whole file); on an error what was written is removed."""
+    f = fs.open(path, "wb", block_size=UPLOAD_BLOCK)
+    try:
+        write(_Blocks(f, UPLOAD_BLOCK))
+    except BaseException:
+        try:
+            f.close()
+        except Exception:  # noqa: BLE001  the write's error is the one to raise
+            pass
+        _rm_quiet(fs, path)
+        raise
+    f.close()
 
 
 def _same(a, b) -> bool:
@@ -121,9 +295,10 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def _check_parts(folder: Path, parts: list[dict]) -> list[dict]:
-    """The parts in order, after checking they are all there and that a name held by two parts
-    (a tied parameter) has the same value in both."""
+def _check_parts(folder: Where, parts: list[dict]) -> list[dict]:
+    """The parts in order, after checking they are all there (on remote storage, with the sizes
+    their entries say) and that a name held by two parts (a tied parameter) has the same value
+    in both."""
     parsed = [(_PART_RE.match(p["file"]), p) for p in parts]
     if not parts or any(m is None for m, _ in parsed):
         raise ValueError(f"checkpoint parts must be named part-NNNNN-of-NNNNN.pt, got {[p['file'] for p in parts]}")
@@ -132,9 +307,18 @@ def _check_parts(folder: Path, parts: list[dict]) -> list[dict]:
         raise ValueError(f"checkpoint parts {sorted(p['file'] for p in parts)} are not parts 0..{count - 1} "
                          f"of {count}, each once")
     parts = [p for _, p in sorted(parsed, key=lambda mp: mp[0].group(1))]
-    for p in parts:
-        if not (folder / p["file"]).is_file():
-            raise FileNotFoundError(f"checkpoint part {folder / p['file']} is missing")
+    if isinstance(folder, Path):
+        for p in parts:
+            if not (folder / p["file"]).is_file():
+                raise FileNotFoundError(f"checkpoint part {folder / p['file']} is missing")
+    else:
+        files = _files(folder)
+        for p in parts:
+            if p["file"] not in files:
+                raise FileNotFoundError(f"checkpoint part {_child(folder, p['file'])} is missing")
+            if "bytes" in p and files[p["file"]] != p["bytes"]:
+                raise ValueError(f"checkpoint part {_child(folder, p['file'])} has {files[p['file']]} bytes, "
+                                 f"its entry says {p['bytes']}")
     for kind in ("model", "optim"):
         first: dict[str, int] = {}
         for i, p in enumerate(parts):
@@ -147,11 +331,15 @@ def _check_parts(folder: Path, parts: list[dict]) -> list[dict]:
 
 
 def finish(root: str | Path, folder: str | Path, step: int, parts: list[dict], meta: dict,
-           keep: int = 3) -> Path:
+           keep: int = 3) -> Where:
     """Complete step ``step``'s checkpoint from the entries :func:`write_part` returned: check the
     parts, write ``meta.json`` last, rename ``folder`` to ``step-NNNNNNNN`` (replacing one already
-    there) and keep the ``keep`` newest checkpoints. On an error ``folder`` is removed."""
-    root, folder = Path(root), Path(folder)
+    there) and keep the ``keep`` newest checkpoints. On an error ``folder`` is removed.
+    On remote storage ``folder`` is already the final one: the manifest written last completes
+    it; older checkpoints beyond ``keep`` and unfinished ones older than those kept are removed."""
+    root, folder = _loc(root), _loc(folder)
+    if not isinstance(root, Path) or not isinstance(folder, Path):
+        return _finish_remote(root, folder, step, parts, meta, keep)
     final = root / f"step-{step:08d}"
     old = root / f".tmp-old-{final.name}-{uuid.uuid4().hex[:8]}"  # where a checkpoint it replaces waits
     try:
@@ -174,14 +362,42 @@ def finish(root: str | Path, folder: str | Path, step: int, parts: list[dict], m
     return final
 
 
-def save(root: str | Path, step: int, model: dict, optim: dict, meta: dict, keep: int = 3) -> Path:
+def _finish_remote(root: Where, folder: Where, step: int, parts: list[dict], meta: dict, keep: int) -> str:
+    final = _child(root, f"step-{step:08d}") if not isinstance(root, Path) else None
+    if final is None or folder != final:
+        raise ValueError(f"checkpoint folder {folder} is not the one begin({str(root)!r}, {step}) gives "
+                         f"({final or 'a local folder'})")
+    try:
+        parts = _check_parts(folder, parts)
+        manifest = {**meta, "step": step, "time": time.time(), "format": FORMAT, "parts": parts}
+        fs, path = storage.fs_and_path(_child(folder, "meta.json"))
+        fs.pipe_file(path, json.dumps(manifest).encode())  # one PUT: there, or not
+    except BaseException:
+        remove(folder)
+        raise
+    found = _scan(root)
+    complete = [(s, f) for s, f, m in found if m is not None]
+    kept = complete[-keep:] if keep > 0 else complete
+    for _, stale in complete[:-keep] if keep > 0 else []:
+        remove(stale)
+    if kept:  # parts of writes that never finished, older than any checkpoint kept
+        for s, f, m in found:
+            if m is None and s < kept[0][0]:
+                remove(f)
+    return final
+
+
+def save(root: str | Path, step: int, model: dict, optim: dict, meta: dict, keep: int = 3) -> Where:
     """Write the checkpoint of committed step ``step`` (1-based count of steps done) from one
     process, as a single part."""
     folder = begin(root, step)
     try:
         part = write_part(folder, 0, 1, model, optim)
     except BaseException:
-        shutil.rmtree(folder, ignore_errors=True)
+        if isinstance(folder, Path):
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            remove(folder)
         raise
     return finish(root, folder, step, [part], meta, keep=keep)
 
@@ -189,8 +405,10 @@ def save(root: str | Path, step: int, model: dict, optim: dict, meta: dict, keep
 # ---------------------------------------------------------------- finding
 
 
-def _manifest(path: Path) -> Optional[dict]:
+def _manifest(path: Where) -> Optional[dict]:
     """The ``meta.json`` of a complete checkpoint folder, else None."""
+    if not isinstance(path, Path):
+        return _manifest_remote(path)
     try:
         meta = json.loads((path / "meta.json").read_text())
     except (OSError, ValueError):
@@ -206,9 +424,76 @@ def _manifest(path: Path) -> Optional[dict]:
     return meta if complete else None
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
+def _complete(meta, files: dict[str, int]) -> Optional[dict]:
+    """``meta`` if it is a manifest whose files are all in ``files`` (name -> size), with the sizes
+    it says."""
+    if not isinstance(meta, dict):
+        return None
+    if meta.get("format", 1) == 1:
+        return meta if "state.pt" in files else None
+    try:
+        complete = bool(meta["parts"]) and all(
+            p["file"] in files and ("bytes" not in p or files[p["file"]] == p["bytes"]) for p in meta["parts"])
+    except (KeyError, TypeError):
+        return None
+    return meta if complete else None
+
+
+def _parse(data) -> Optional[dict]:
+    try:
+        return json.loads(data)
+    except (TypeError, ValueError):
+        return None
+
+
+def _manifest_remote(url: str) -> Optional[dict]:
+    fs, path = storage.fs_and_path(_child(url, "meta.json"))
+    try:
+        meta = _parse(fs.cat_file(path))  # the manifest first: then the parts it names
+    except FileNotFoundError:  # (refused credentials or an unreachable endpoint are raised)
+        return None
+    return _complete(meta, _files(url)) if meta is not None else None
+
+
+def _scan(root: str) -> list[tuple[int, str, Optional[dict]]]:
+    """``(step, folder, manifest or None if incomplete)`` of the ``step-NNNNNNNN`` folders under
+    remote ``root``, oldest first: one listing of everything below, then their manifests at once."""
+    fs, path = storage.fs_and_path(root)
+    try:
+        found = fs.find(path, detail=True)
+    except FileNotFoundError:
+        return []
+    prefix = path.rstrip("/") + "/"
+    folders: dict[str, dict[str, int]] = {}
+    for name, info in found.items():
+        rel = name[len(prefix):].split("/") if name.startswith(prefix) else []
+        if len(rel) == 2 and _DIR_RE.match(rel[0]) and info.get("type", "file") == "file":
+            folders.setdefault(rel[0], {})[rel[1]] = info.get("size")
+    manifests = {d: prefix + d + "/meta.json" for d, files in folders.items() if "meta.json" in files}
+    data = fs.cat(list(manifests.values()), on_error="return") if manifests else {}
+    if len(manifests) == 1 and not isinstance(data, dict):  # one path: some filesystems give its bytes
+        data = {next(iter(manifests.values())): data}
+    out = []
+    for d, files in folders.items():
+        raw = data.get(manifests[d]) if d in manifests else None
+        meta = _complete(_parse(raw), files) if isinstance(raw, (bytes, str)) else None
+        out.append((int(_DIR_RE.match(d).group(1)), _child(root, d), meta))
+    return sorted(out, key=lambda t: t[0])
+
+
+def step_folders(root: str | Path) -> set[int]:
+    """The steps of every ``step-NNNNNNNN`` folder under ``root``, complete or not."""
+    root = _loc(root)
+    if not isinstance(root, Path):
+        return {s for s, _, _ in _scan(root)}
+    return {int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _DIR_RE.match(p.name))}
+
+
+def list_checkpoints(root: str | Path) -> list[Where]:
     """Complete checkpoints under ``root``, oldest first."""
-    root = Path(root)
+    root = _loc(root)
+    if not isinstance(root, Path):
+        return [folder for _, folder, meta in _scan(root) if meta is not None]
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
@@ -216,14 +501,14 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def latest(root: str | Path) -> Optional[Path]:
+def latest(root: str | Path) -> Optional[Where]:
     found = list_checkpoints(root)
     return found[-1] if found else None
 
 
-def resolve(path: str | Path) -> Path:
+def resolve(path: str | Path) -> Where:
     """A checkpoint folder, or the newest one under a checkpoint root."""
-    p = Path(path)
+    p = _loc(path)
     if _manifest(p) is not None:
         return p
     newest = latest(p)
@@ -242,9 +527,9 @@ def step_of(path: str | Path) -> int:
 # ---------------------------------------------------------------- reading
 
 
-def _read(folder: Path, part: dict, kind: str, names: set[str]) -> dict:
+def _read(folder: Where, part: dict, kind: str, names: set[str]) -> dict:
     """Entries ``names`` of one part's ``kind`` ("model" or the optimizer's "optim" state)."""
-    state = torch.load(folder / part["file"], map_location="cpu", mmap=True, weights_only=False)
+    state = _torch_load(_child(folder, part["file"]))
     held = state["model"] if kind == "model" else state["optim"]["state"]
     return {n: held[n] for n in names}
 
@@ -255,7 +540,7 @@ def names_in(path: str | Path) -> list[str]:
     p = resolve(path)
     meta = _manifest(p)
     if meta.get("format", 1) == 1:
-        state = torch.load(p / "state.pt", map_location="cpu", mmap=True, weights_only=False)
+        state = _torch_load(_child(p, "state.pt"))
         return list(state["model"])
     return list(dict.fromkeys(n for part in meta["parts"] for n in part["model"]))
 
@@ -263,12 +548,13 @@ def names_in(path: str | Path) -> list[str]:
 def load(path: str | Path, names: Names = None) -> dict:
     """``{"step", "model", "optim", "meta", "path"}`` of a checkpoint folder or of the newest one
     under a root. With ``names`` (a set of names or a predicate), only those model and optimizer
-    entries, reading only the parts that hold them; tensors are memory-mapped, read when used."""
+    entries, reading only the parts that hold them; tensors are memory-mapped, read when used
+    (from remote storage, the parts it opens are read whole)."""
     p = resolve(path)
     meta = _manifest(p)
     want = _wanted(names)
     if meta.get("format", 1) == 1:
-        state = torch.load(p / "state.pt", map_location="cpu", mmap=True, weights_only=False)
+        state = _torch_load(_child(p, "state.pt"))
         model = {n: v for n, v in state["model"].items() if want(n)}
         optim = {"state": {n: v for n, v in state["optim"]["state"].items() if want(n)},
                  "groups": state["optim"]["groups"]}
@@ -285,7 +571,7 @@ def load(path: str | Path, names: Names = None) -> dict:
         mine = [key for key, j in owner.items() if j == i]
         if not mine:
             continue
-        state = torch.load(p / part["file"], map_location="cpu", mmap=True, weights_only=False)
+        state = _torch_load(_child(p, part["file"]))
         model.update((n, state["model"][n]) for kind, n in mine if kind == "model")
         optim["state"].update((n, state["optim"]["state"][n]) for kind, n in mine if kind == "optim")
         optim["groups"] = optim["groups"] or state["optim"]["groups"]

@@ -185,9 +185,21 @@ class ElasticSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(0, ge=0, description="write a checkpoint every N committed steps (0 = only at the end)")
-    path: str = Field("./checkpoints", description="folder for checkpoints (relative to the working directory)")
-    keep: int = Field(3, ge=1, description="how many recent checkpoints to keep")
+    every_steps: int = Field(0, ge=0, description="write a checkpoint every N committed steps and after the last "
+                                                  "(0 = no checkpoints)")
+    path: str = Field("./checkpoints", min_length=1,
+                      description="where checkpoints go: a local folder (relative to the working directory), "
+                                  "file:///abs/path or s3://bucket/prefix; credentials and the endpoint come from "
+                                  "the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")
+    keep: int = Field(3, ge=1, description="how many recent checkpoints to keep (older ones are deleted, on the "
+                                           "storage too)")
+    max_failures: int = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
+                                                   "written (each failure is a checkpoint_failed event)")
+
+
+class RestartSpec(_Strict):
+    max: int = Field(0, ge=0, description="how many times the job is restarted from its newest complete checkpoint "
+                                          "when its scheduler is lost (0 = never)")
 
 
 class EvalSpec(_Strict):
@@ -208,6 +220,7 @@ class JobSpec(_Strict):
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    restarts: RestartSpec = Field(default_factory=RestartSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
     eval: Optional[EvalSpec] = Field(None, description="a validation loss every N steps, with the committed parameters")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")

@@ -3,7 +3,7 @@
 Holds jobs (spec, state, progress, error), their events, their per-step metrics and the
 measured timelines of a few recent steps, so a job's history outlives its actors, the API
 server and the cluster.  Metrics are keyed by (job, step): a step recorded twice is recorded
-once.  Timelines are a ring: each job keeps the newest few written (``put_timeline``).
+once (a re-run replaces it).  Timelines are a ring: each job keeps the newest few written (``put_timeline``).
 """
 from __future__ import annotations
 
@@ -227,6 +227,32 @@ class Store:
         with self.engine.connect() as c:
             return int(c.execute(sa.select(sa.func.count()).select_from(events).where(events.c.type == kind)).scalar_one())
 
+    def events_of(self, job_id: str, kinds: Iterable[str]) -> list[dict]:
+        """A job's events of these types, oldest first (e.g. its restarts and checkpoints)."""
+        q = (sa.select(events).where(events.c.job_id == job_id, events.c.type.in_(list(kinds)))
+             .order_by(events.c.id))
+        with self.engine.connect() as c:
+            return [{"id": r.id, "time": r.time, "type": r.type, "message": r.message, **(r.data or {})}
+                    for r in c.execute(q)]
+
+    def durability(self, job_ids: list[str]) -> dict[str, dict]:
+        """Per job: ``restarts`` (its restarted events) and ``checkpoint``, the newest written
+        (``{"step", "path", "time"}``, or None)."""
+        out = {j: {"restarts": 0, "checkpoint": None} for j in job_ids}
+        if not job_ids:
+            return out
+        mine = events.c.job_id.in_(job_ids)
+        with self.engine.connect() as c:
+            for job_id, n in c.execute(sa.select(events.c.job_id, sa.func.count()).where(
+                    mine, events.c.type == "restarted").group_by(events.c.job_id)):
+                out[job_id]["restarts"] = int(n)
+            newest = sa.select(sa.func.max(events.c.id)).where(mine, events.c.type == "checkpoint").group_by(
+                events.c.job_id)
+            for r in c.execute(sa.select(events).where(events.c.id.in_(newest))):
+                data = r.data if isinstance(r.data, dict) else json.loads(r.data or "{}")
+                out[r.job_id]["checkpoint"] = {"step": data.get("step"), "path": data.get("path"), "time": r.time}
+        return out
+
     def count_by_state(self) -> dict[str, int]:
         with self.engine.connect() as c:
             rows = c.execute(sa.select(jobs.c.state, sa.func.count()).group_by(jobs.c.state)).all()
@@ -282,8 +308,10 @@ class Store:
             c.execute(events.insert(), values)
 
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
-        """Record committed steps (a step already recorded is left as it is) and the
-        job's progress fields from the newest one."""
+        """Record committed steps and the job's progress fields from the newest one.  A step
+        already recorded keeps its row, unless the new row is a re-run (``rerun``: the step ran
+        again after the state went back to an older copy, or after a restart): then the re-run's
+        row replaces it, so each step has one row, the one its parameters came from."""
         if not rows:
             return
         with self.engine.begin() as c:
@@ -292,6 +320,10 @@ class Store:
             new = [{"job_id": job_id, "step": r["step"], "data": r} for r in rows if r["step"] not in have]
             if new:
                 c.execute(metrics.insert(), new)
+            for r in rows:
+                if r["step"] in have and r.get("rerun"):
+                    c.execute(metrics.update().where(metrics.c.job_id == job_id, metrics.c.step == r["step"])
+                              .values(data=r))
             last = max(rows, key=lambda r: r["step"])
             c.execute(jobs.update().where(jobs.c.id == job_id).values(
                 step=sa.func.max(jobs.c.step, last["step"]) if self.url.startswith("sqlite")

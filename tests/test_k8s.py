@@ -1,6 +1,7 @@
 """k8s/ validated offline: every object of the base and each overlay against the KubeRay
 v1.7 CRDs or Kubernetes' own schemas (strict); versions and ranges agree with the project;
-Ray's token authentication is on, with the control plane sending the RayCluster's token; and the
+Ray's token authentication is on, with the control plane sending the RayCluster's token; every Ray
+container and the control plane read the checkpoints' S3 credentials from one Secret; and the
 validator itself catches broken manifests."""
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ def test_control_plane_references_exist():
     api = the(objs, "Deployment", "relaytrain-api")
     container = api["spec"]["template"]["spec"]["containers"][0]
     for ref in container["envFrom"]:
-        the(objs, "ConfigMap", ref["configMapRef"]["name"])
+        if "configMapRef" in ref:
+            the(objs, "ConfigMap", ref["configMapRef"]["name"])
+        else:
+            the(objs, "Secret", ref["secretRef"]["name"])
     for env in container["env"]:
         if "value" in env:
             continue
@@ -117,6 +121,27 @@ def test_ray_token_auth_is_on_and_the_control_plane_sends_the_same_token(folder)
     for c in _containers(cluster):
         assert not {e["name"] for e in c.get("env", [])} & {"RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"}
     assert not {e["name"] for e in cluster["spec"]["autoscalerOptions"].get("env", [])} & {"RAY_AUTH_MODE"}
+
+
+STORAGE_KEYS = {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_DEFAULT_REGION"}
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_ray_container_and_the_control_plane_get_the_storage_secret(folder):
+    """Each stage's worker writes its checkpoint part straight to the storage, and the control plane
+    checks it and restarts jobs from it: all of them read the S3 credentials from one Secret."""
+    objs = objects(folder)
+    secret = the(objs, "Secret", "relaytrain-storage")
+    assert set(secret["stringData"]) == STORAGE_KEYS
+    assert all("CHANGE-ME" in secret["stringData"][k]
+               for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"))
+    cluster = the(objs, "RayCluster")
+    containers = _containers(cluster) + _containers(the(objs, "Deployment", "relaytrain-api"))
+    assert len(containers) == 1 + len(cluster["spec"]["workerGroupSpecs"]) + 1
+    for c in containers:
+        assert {"secretRef": {"name": "relaytrain-storage", "optional": True}} in c.get("envFrom", []), c["name"]
+        # from the Secret only: never a value of its own in a manifest
+        assert not {e["name"] for e in c.get("env", [])} & STORAGE_KEYS, c["name"]
 
 
 def test_the_placeholder_ray_token_is_refused_by_the_control_plane():

@@ -37,7 +37,8 @@ def job(server):
     # wide enough that an action's compute (~1 ms) shows beside the hops between stages
     spec = small_spec("swimlane", steps=100000, parallelism={"dp": DP, "pp": PP, "schedule": "1f1b"},
                       model={"kind": "mlp", "args": {"hidden": 768, "layers": 3}},
-                      training={"global_batch_size": 64, "microbatch_size": 64 // M, "steps": 100000, "seed": 1})
+                      training={"global_batch_size": 64, "microbatch_size": 64 // M, "steps": 100000, "seed": 1},
+                      restarts={"max": 1}, checkpoint={"every_steps": 5})
     with server.client() as c:
         r = c.post("/v1/jobs", json=spec)
         assert r.status_code == 201, r.text
@@ -150,6 +151,10 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             page.wait_for_function("s => document.querySelector('#swimlane svg').dataset.step !== s", arg=first)
             page.wait_for_function("n => document.querySelectorAll('#loss-curve circle[data-step]').length > n",
                                    arg=points)
+            # restarts (none used of restarts.max 1) and the newest checkpoint (one every 5 steps)
+            assert page.locator("#job-restarts").inner_text() == "0 / 1"
+            assert page.locator("#job-restarts-note").inner_text() == "1 left"
+            page.wait_for_selector("#job-checkpoint[data-step]")
             assert page.locator("#cancel").is_enabled()
             page.locator("#cancel").click()
             page.wait_for_selector('#view-job[data-state="CANCELLED"]')
@@ -189,6 +194,11 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
                 job_row["shape"]["workers"]["w1.1"]
             kinds = page.eval_on_selector_all("#events li", "ls => ls.map(l => l.dataset.type)")
             assert kinds[0] == "submitted" and "shape" in kinds and kinds[-1] == "cancelled"
+            assert "checkpoint" in kinds
+            ck = job_row["checkpoint"]
+            assert job_row["restarts"] == 0 and ck["step"] % 5 == 0 and job in ck["path"]
+            assert page.locator("#job-checkpoint").inner_text() == f"step {ck['step']}"
+            assert page.locator("#job-checkpoint-path").get_attribute("title").startswith(ck["path"] + "\n")
             page.screenshot(path=str(ARTIFACTS / "ui-job.png"), full_page=True)
             # what a job's user code printed, under Output (the built-in model above prints nothing)
             done = cli(server, "submit", os.path.join(FIXTURES, "user_job.yaml"), "--wait", "--json")
@@ -201,6 +211,10 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             assert int(page.locator("#output").get_attribute("data-lines")) == len(output.strip().splitlines())
             for who in ("scheduler", "w0.0", "w0.1"):
                 assert f"[{who} stdout] userpkg: building a 32-wide model" in output, output
+            # a spec without restarts or checkpoints says so
+            assert page.locator("#job-restarts").inner_text() == "off"
+            assert page.locator("#job-checkpoint").inner_text() == "off"
+            assert page.locator("#job-checkpoint-path").inner_text() == "checkpoint.every_steps is 0"
             assert errors == []
         finally:
             browser.close()
@@ -217,6 +231,7 @@ SHAPE = {"dp": 1, "pp": 2, "schedule": "gpipe", "microbatches_per_replica": 2, "
          "workers": {"w0.0": "node-a" * 4, "w0.1": "node-b" * 4}}
 TRAIN = [("F0", 0, 1), ("F1", 1, 2), ("B0", 4, 6), ("B1", 6, 8)]   # stage 0's (ms); stage 1 runs 2 ms later
 EVAL = [("E0", 9, 10), ("E1", 10, 11)]                            # then the evaluation's forwards
+CKPT_URL = "s3://relaytrain-checkpoints/runs"                    # never reached: the job is written straight
 
 
 def recipe_job(server) -> str:
@@ -230,7 +245,8 @@ def recipe_job(server) -> str:
     store = Store(Settings(home=Path(server.home)).db_url)
     job_id = f"recipe-ui-{time.time_ns() % 10**9}"
     spec = small_spec("recipe-ui", steps=8, training={"global_batch_size": 32, "microbatch_size": 8, "steps": 8,
-                                                       "seed": 4, "grad_clip_norm": 1.0, "skip_nonfinite": True})
+                                                       "seed": 4, "grad_clip_norm": 1.0, "skip_nonfinite": True},
+                      restarts={"max": 2}, checkpoint={"every_steps": 3, "path": CKPT_URL})
     store.create_job(job_id, "alice", spec)
     store.update_job(job_id, shape=SHAPE)
     store.set_state(job_id, JobState.RUNNING)
@@ -246,6 +262,15 @@ def recipe_job(server) -> str:
     store.add_metrics(job_id, rows)
     store.add_events(job_id, [{"type": "skipped_step", "step": 5, "message": "step 5 skipped: its gradient norm is "
                                "inf; no parameter changed"}])
+    # a restart from step 3's checkpoint, step 6's checkpoint failed, step 8's written
+    ckpt = f"{CKPT_URL}/alice/{job_id}"
+    store.add_events(job_id, [
+        {"type": "checkpoint", "step": 3, "path": f"{ckpt}/step-00000003", "message": "checkpoint of step 3"},
+        {"type": "restarted", "reason": "the job's scheduler was lost", "restart": 1, "restarts_max": 2, "from_step": 3,
+         "rerun_steps": 1, "checkpoint": f"{ckpt}/step-00000003", "message": "restart 1 of 2 from step 3"},
+        {"type": "checkpoint_failed", "step": 6, "failures": 1, "reason": "OSError: timed out",
+         "message": "checkpoint of step 6 failed"},
+        {"type": "checkpoint", "step": 8, "path": f"{ckpt}/step-00000008", "message": "checkpoint of step 8"}])
     store.put_timeline(job_id, timeline.record(8, SHAPE, {
         f"w0.{s}": [(f"{s}{a}", now + (t0 + 2 * s) / 1000, now + (t1 + 2 * s) / 1000) for a, t0, t1 in TRAIN + EVAL]
         for s in range(2)}))
@@ -303,6 +328,18 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
             assert grad.locator("g[data-hline] text").text_content() == "clip 1"
             assert page.locator("#lr-curve circle[data-step]").count() == 8
             assert page.locator('#events li[data-type="skipped_step"] .kind').text_content() == "skipped step"
+            # restarts and the checkpoint in use; a restart and a failed checkpoint stand out in the events
+            restarts = page.locator("#job-restarts")
+            assert (restarts.inner_text(), page.locator("#job-restarts-note").inner_text()) == ("1 / 2", "1 left")
+            assert restarts.evaluate("e => getComputedStyle(e).color") == rgb("#b7791f")
+            assert page.locator("#job-checkpoint").inner_text() == "step 8"
+            where = page.locator("#job-checkpoint-path")
+            assert where.inner_text().endswith(f"{job_id}/step-00000008")
+            assert where.get_attribute("title").startswith(f"{CKPT_URL}/alice/{job_id}/step-00000008\nwritten ")
+            color = "e => getComputedStyle(e).color"
+            assert page.locator('#events li[data-type="restarted"] .kind').evaluate(color) == rgb("#b7791f")
+            failed = page.locator('#events li[data-type="checkpoint_failed"] .kind')
+            assert failed.text_content() == "checkpoint failed" and failed.evaluate(color) == rgb("#c53030")
             # the step readout: the newest step, then the one the mouse points at
             detail = page.locator("#step-detail")
             assert detail.get_attribute("data-step") == "8"

@@ -36,7 +36,8 @@ def list_jobs(manager: ManagerDep, tenant: TenantDep,
               offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0) -> JobPage:
     """The tenant's jobs, newest first."""
     rows, total = manager.store.list_jobs(tenant, [s.value for s in state or []], limit, offset)
-    return JobPage(items=[JobOut.from_row(r) for r in rows], total=total, limit=limit, offset=offset)
+    return JobPage(items=[JobOut.from_row(r) for r in manager.with_durability(rows)], total=total, limit=limit,
+                   offset=offset)
 
 
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)

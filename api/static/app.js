@@ -273,11 +273,49 @@ function drawJobHead(job) {
   $("#job-shape").textContent = shapeText(job.shape);
   const end = job.ended_at || Date.now() / 1000;
   $("#job-time").textContent = job.started_at ? fmtDuration(end - job.started_at) : "not started";
+  drawDurability(job);
   $("#job-error").hidden = !job.error;
   $("#job-error").textContent = job.error || "";
   const cancel = $("#cancel");
   if (!cancel.dataset.busy) cancel.disabled = TERMINAL.has(job.state);
   document.title = `${job.name} · ${job.state} · relaytrain`;
+}
+
+// a long path's end (what names the job and the step), cut at a "/" where it can be: "…/job/step-00000040"
+function tailPath(path, most) {
+  if (path.length <= most) return path;
+  const tail = path.slice(-(most - 1)), cut = tail.indexOf("/");
+  return "…" + (cut >= 0 && cut < tail.length - 1 ? tail.slice(cut) : tail);
+}
+
+// The job's restarts (of its spec's restarts.max) and its newest complete checkpoint: the one
+// a restart resumes from when the job's scheduler is lost.
+function drawDurability(job) {
+  const spec = job.spec || {};
+  const most = Number((spec.restarts || {}).max) || 0;
+  const used = Number(job.restarts) || 0;
+  const restarts = $("#job-restarts");
+  restarts.textContent = most ? `${used} / ${most}` : used ? String(used) : "off";
+  restarts.classList.toggle("warn", used > 0);
+  $("#job-restarts-note").textContent = !most ? "restarts.max is 0"
+    : used >= most ? "none left" : `${most - used} left`;
+
+  const every = Number((spec.checkpoint || {}).every_steps) || 0;
+  const ck = job.checkpoint;
+  const value = $("#job-checkpoint"), where = $("#job-checkpoint-path");
+  where.classList.toggle("mono", Boolean(ck && ck.step != null));
+  if (ck && ck.step != null) {
+    const path = String(ck.path || "");
+    value.textContent = `step ${ck.step}`;
+    value.dataset.step = String(ck.step);
+    where.textContent = tailPath(path, 52);
+    where.title = path + (ck.time ? `\nwritten ${new Date(ck.time * 1000).toString()}` : "");
+  } else {
+    value.textContent = every ? "none yet" : "off";
+    delete value.dataset.step;
+    where.textContent = every ? `every ${every} steps` : "checkpoint.every_steps is 0";
+    where.title = "";
+  }
 }
 
 async function loadMetrics(v) {

@@ -1,0 +1,130 @@
+"""Checkpoints written off the step's path (``checkpoint.every_steps``).
+
+At a step boundary each stage's worker of replica 0 starts its part (``StageWorker.save_part``:
+the only call the step waits for, a few ms); in a thread of its own it copies its committed state
+to memory while the next step computes (that step's optimizer update waits for the copy), then
+writes the part straight to the storage while training goes on.  The scheduler writes the
+manifest once every part is written (service/checkpoint.py: a checkpoint without its manifest
+is not one), then deletes the checkpoints beyond ``checkpoint.keep``.
+
+One checkpoint is written at a time, so a worker holds at most one extra copy of its state: a
+checkpoint due while the previous one is still being written is taken at the first step
+boundary after that one ends (the event says which step asked for it).  A checkpoint that
+could not be written is a ``checkpoint_failed`` event and training goes on; after
+``checkpoint.max_failures`` failures in a row the job fails, saying why.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Optional
+
+import ray
+
+from actors.failures import JobFailure
+from service import checkpoint
+
+
+def _reason(e: BaseException) -> str:
+    """The first line that says something, of a worker's (or Ray's) error."""
+    cause = getattr(e, "cause", None)
+    if isinstance(cause, BaseException) and not isinstance(e, JobFailure):
+        e = cause
+    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    return f"{type(e).__name__}: {text}" if text else type(e).__name__
+
+
+class CheckpointWriter:
+    def __init__(self, group, root: Optional[str], spec, record, meta: dict, timeout: float):
+        self.group, self.root, self.record, self.meta, self.timeout = group, root, record, meta, timeout
+        c = spec.checkpoint
+        self.every, self.keep, self.max_failures, self.last = c.every_steps, c.keep, c.max_failures, spec.training.steps
+        self.failures = 0                   # in a row
+        self.owed: Optional[int] = None     # the step that asked for a checkpoint while one was being written
+        self.flight: Optional[dict] = None  # the checkpoint being written: step, folder, refs, times
+        self.known: Optional[set[int]] = None  # steps with a folder on the storage (read once)
+        self._finisher = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-checkpoint")  # manifests
+        if self.root and self.every:  # read while the first steps run (and the connection is made)
+            self._scan = self._finisher.submit(checkpoint.step_folders, self.root)
+
+    def due(self, committed: int) -> bool:
+        return bool(self.root and self.every and (committed % self.every == 0 or committed == self.last))
+
+    def after_commit(self, committed: int) -> None:
+        """Finish the checkpoint being written if it is; start step ``committed``'s if one is due
+        (or owed) and none is being written."""
+        self.poll(block=committed == self.last)
+        asked = committed if self.due(committed) else self.owed
+        if asked is None:
+            return
+        if self.flight is not None:
+            self.owed = asked
+            return
+        self.owed = None
+        self._start(committed, asked)
+        if committed == self.last:
+            self.poll(block=True)
+
+    def _start(self, step: int, asked: int) -> None:
+        g = self.group
+        t0 = time.monotonic()
+        try:
+            if self.known is None:  # step folders already there (a restart's): cleaned before reuse
+                self.known = self._scan.result(timeout=self.timeout)
+            folder = checkpoint.begin(self.root, step, clean=step in self.known)
+            self.known.add(step)
+            started = [g.workers[(0, s)].save_part.remote(str(folder), step) for s in range(g.shape.pp)]
+            ray.get(started, timeout=self.timeout)
+            refs = [g.workers[(0, s)].part_written.remote(step) for s in range(g.shape.pp)]
+        except Exception as e:
+            self._failed(step, e)
+            return
+        self.flight = {"step": step, "asked": asked, "folder": folder, "refs": refs, "t0": t0,
+                       "pause_s": time.monotonic() - t0}
+
+    def poll(self, block: bool = False) -> None:
+        """Once every part of the checkpoint being written is, write its manifest (and delete
+        the checkpoints beyond ``keep``) in a thread of this scheduler; with ``block``, wait
+        for all of it."""
+        f = self.flight
+        if f is None:
+            return
+        if "done" not in f:
+            ready, _ = ray.wait(f["refs"], num_returns=len(f["refs"]), timeout=self.timeout if block else 0)
+            if len(ready) < len(f["refs"]) and not block:
+                return
+            f["done"] = self._finisher.submit(self._complete, f, len(ready) == len(f["refs"]))
+        if not (block or f["done"].done()):
+            return
+        self.flight = None
+        error = f["done"].exception()
+        if error is not None:
+            self._failed(f["step"], error)
+        else:
+            self.failures = 0
+
+    def _complete(self, f: dict, written: bool) -> None:
+        """Check the parts, write the manifest last, and say so (a ``checkpoint`` event)."""
+        if not written:
+            raise JobFailure(f"its parts were not written within {self.timeout:.0f} s")
+        parts = ray.get(f["refs"])
+        path = checkpoint.finish(self.root, f["folder"], f["step"], parts, dict(self.meta), keep=self.keep)
+        step, upload_s = f["step"], time.monotonic() - f["t0"]
+        size = sum(p.get("bytes", 0) for p in parts)
+        copy_s = max(p.get("copy_s", 0.0) for p in parts)
+        late = f" (due at step {f['asked']}; the previous one was still being written)" if f["asked"] != step else ""
+        self.record.event("checkpoint", f"checkpoint of step {step} at {path}: {size / 2**20:.1f} MiB, copied in "
+                                        f"{copy_s:.2f} s and written in {upload_s:.2f} s beside training; the step "
+                                        f"paused {f['pause_s'] * 1e3:.0f} ms to start it{late}",
+                          step=step, path=str(path), bytes=size, write_s=round(upload_s, 3),
+                          pause_s=round(f["pause_s"], 4), copy_s=round(copy_s, 4), asked_at=f["asked"])
+
+    def _failed(self, step: int, e: BaseException) -> None:
+        self.failures += 1
+        reason = _reason(e)
+        self.record.event("checkpoint_failed", f"checkpoint of step {step} failed ({self.failures} in a row, "
+                                               f"the job fails at {self.max_failures}): {reason}; training goes on",
+                          step=step, failures=self.failures, reason=reason)
+        if self.failures >= self.max_failures:
+            raise JobFailure(f"{self.failures} checkpoints in a row could not be written to {self.root} "
+                             f"(checkpoint.max_failures is {self.max_failures}); the last: {reason}")

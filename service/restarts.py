@@ -1,0 +1,80 @@
+"""Where a job's checkpoints go, and whether a job whose scheduler was lost restarts.
+
+Pure: the control plane (api/jobs.py, for submitted jobs) and ``relaytrain run``
+(actors/runner.py, for a job in the foreground) ask ``decide`` when a job's scheduler actor is
+gone, and start a new scheduler that resumes from the newest complete checkpoint when it says so.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from service.spec import JobSpec
+
+URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def is_url(path: str) -> bool:
+    return bool(URL_RE.match(path))
+
+
+def checkpoint_root(spec: JobSpec, *, home: Optional[Path] = None, tenant: str = "", job_id: str = "") -> Optional[str]:
+    """The folder (or URL) of a job's checkpoints; None when the spec writes none.
+
+    A job in the foreground (``relaytrain run``: no ``home``) writes into ``checkpoint.path``
+    itself (a local path is made absolute).  A submitted job writes into its own folder under
+    it, ``<path>/<tenant>/<job id>``, so jobs never share one; a relative path is taken under
+    the server's data folder (``<home>/checkpoints/<tenant>/<job id>``)."""
+    if not spec.checkpoint.every_steps:
+        return None
+    path = spec.checkpoint.path
+    if home is None:
+        return path.rstrip("/") if is_url(path) else str(Path(path).resolve())
+    if is_url(path):
+        return f"{path.rstrip('/')}/{tenant}/{job_id}"
+    base = Path(path) if Path(path).is_absolute() else Path(home) / "checkpoints"
+    return str(base / tenant / job_id)
+
+
+@dataclass(frozen=True)
+class Decision:
+    restart: bool
+    message: str     # the sentence for the job's event (restarted) or its error (failed)
+
+
+def decide(spec: JobSpec, *, used: int, committed: int, newest_step: Optional[int], reason: str,
+           cancelling: bool = False) -> Decision:
+    """Whether a job whose scheduler was lost (``reason``) restarts: ``used`` restarts so far,
+    ``committed`` steps recorded, ``newest_step`` that of its newest complete checkpoint (None:
+    there is none).  A job its user was cancelling never restarts."""
+    most = spec.restarts.max
+    if cancelling:
+        return Decision(False, f"{reason} while the job was being cancelled; it is not restarted")
+    if most == 0:
+        return Decision(False, f"{reason}; the job can not go on (set restarts.max to restart it from its newest "
+                               "checkpoint)")
+    if used >= most:
+        return Decision(False, f"{reason}, and its restarts are used up ({used} of restarts.max {most})")
+    if newest_step is None:
+        why = ("checkpoint.every_steps is 0" if not spec.checkpoint.every_steps
+               else "none had been written yet")
+        return Decision(False, f"{reason}, and there is no complete checkpoint to restart it from ({why})")
+    rerun = max(0, committed - newest_step)
+    return Decision(True, f"{reason}; restart {used + 1} of {most} from the checkpoint of step {newest_step} "
+                          f"({rerun} committed steps run again)")
+
+
+def check_storage(root: Optional[str]) -> None:
+    """Reach the checkpoints' storage once, before any actor starts: an unknown scheme, a
+    bucket that does not exist or credentials it refuses are a SpecError saying what to change."""
+    if root is None:
+        return
+    from service import storage
+    from service.spec import SpecError
+
+    try:
+        storage.check_url(root)
+    except ValueError as e:
+        raise SpecError(str(e)) from None

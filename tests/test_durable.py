@@ -1,0 +1,287 @@
+"""Durable jobs (issue 17): checkpoints on S3 written beside the steps, jobs that restart
+themselves when their scheduler is lost, storage outages.  S3 is moto's server, started by the
+tests on a loopback port (tests/s3server.py); the control plane is a real server process."""
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from actors.runner import JobFailed, run_job
+from service import checkpoint, restarts
+from service.names import NAMESPACE, scheduler_name
+from service.spec import SpecError, parse_spec
+from tests import reference
+from tests.test_api import Server, wait_state
+
+
+def until(cond, timeout: float = 120.0, every: float = 0.05, what: str = ""):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        time.sleep(every)
+    raise TimeoutError(what or getattr(cond, "__name__", "condition"))
+
+
+def spec_dict(name: str, steps: int, path: str, every: int = 2, most: int = 1, dp: int = 1, pp: int = 2, **over):
+    d = {"name": name, "model": {"kind": "mlp", "args": {"hidden": 32, "layers": 3}}, "data": {"kind": "digits"},
+         "optimizer": {"name": "adam", "lr": 0.003},
+         "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps, "seed": 5},
+         "parallelism": {"dp": dp, "pp": pp, "transport": "collective"},
+         "checkpoint": {"every_steps": every, "path": path, "keep": 2}, "restarts": {"max": most}}
+    d.update(over)
+    return d
+
+
+# ---------------------------------------------------------------- pure: restart decisions
+
+
+def test_restart_decisions_say_why():
+    spec = parse_spec(spec_dict("d", 10, "s3://b/p", most=2))
+    d = restarts.decide(spec, used=0, committed=7, newest_step=6, reason="lost")
+    assert d.restart and "restart 1 of 2 from the checkpoint of step 6 (1 committed steps run again)" in d.message
+    d = restarts.decide(spec, used=2, committed=7, newest_step=6, reason="lost")
+    assert not d.restart and "restarts are used up (2 of restarts.max 2)" in d.message
+    d = restarts.decide(spec, used=0, committed=1, newest_step=None, reason="lost")
+    assert not d.restart and "no complete checkpoint to restart it from (none had been written yet)" in d.message
+    d = restarts.decide(spec, used=0, committed=7, newest_step=6, reason="lost", cancelling=True)
+    assert not d.restart and "being cancelled" in d.message
+    never = parse_spec(spec_dict("d", 10, "s3://b/p", most=0))
+    assert "set restarts.max" in restarts.decide(never, used=0, committed=7, newest_step=6, reason="lost").message
+
+
+def test_checkpoint_roots(tmp_path):
+    spec = parse_spec(spec_dict("d", 10, "s3://bucket/runs/"))
+    assert restarts.checkpoint_root(spec) == "s3://bucket/runs"
+    assert restarts.checkpoint_root(spec, home=tmp_path, tenant="t", job_id="j") == "s3://bucket/runs/t/j"
+    rel = parse_spec(spec_dict("d", 10, "ckpt"))
+    assert restarts.checkpoint_root(rel, home=tmp_path, tenant="t", job_id="j") == str(tmp_path / "checkpoints/t/j")
+    none = parse_spec(spec_dict("d", 10, "ckpt", every=0))
+    assert restarts.checkpoint_root(none) is None
+
+
+def test_bad_restarts_and_paths_are_spec_errors():
+    with pytest.raises(SpecError, match=r"restarts.max: Input should be greater than or equal to 0"):
+        parse_spec(spec_dict("d", 10, "s3://b/p", most=-1))
+    with pytest.raises(SpecError, match="unknown storage scheme 'nosuch'"):
+        restarts.check_storage("nosuch://bucket/x")
+
+
+# ---------------------------------------------------------------- the control plane restarts a job
+
+
+@pytest.fixture(scope="module")
+def durable_server(ray_session, s3_server, tmp_path_factory):
+    s = Server(tmp_path_factory.mktemp("home"), ray_session.get_runtime_context().gcs_address).start()
+    yield s
+    s.stop()
+
+
+def _kill_scheduler(ray_session, job_id):
+    ray_session.kill(ray_session.get_actor(scheduler_name(job_id), namespace=NAMESPACE))
+
+
+def _events(c, job_id):
+    return c.get(f"/v1/jobs/{job_id}/events").json()
+
+
+def test_a_job_on_s3_restarts_after_its_scheduler_is_lost(durable_server, ray_session, s3_bucket):
+    steps = 200  # about 30 ms a step: time to see a checkpoint and kill the scheduler mid-run
+    body = spec_dict("durable", steps, f"{s3_bucket}/ckpt", every=4, most=1, dp=2, pp=2)
+    with durable_server.client() as c:
+        job = c.post("/v1/jobs", json=body).json()
+        # kill the scheduler once a checkpoint is written and steps after it are committed
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            seen = c.get(f"/v1/jobs/{job['id']}").json()
+            if seen["checkpoint"] and seen["step"] > seen["checkpoint"]["step"]:
+                break
+            assert seen["state"] in ("PENDING", "RUNNING"), (seen["error"], _events(c, job["id"]))
+            time.sleep(0.1)
+        _kill_scheduler(ray_session, job["id"])
+        killed_at = c.get(f"/v1/jobs/{job['id']}").json()["step"]
+        done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED"}, timeout=180)
+        assert done["state"] == "SUCCEEDED", done["error"]
+        assert done["restarts"] == 1 and done["checkpoint"]["step"] == steps, \
+            "\n".join(f"{e['type']}: {e['message'][:200]}" for e in _events(c, job["id"]))
+        assert done["checkpoint"]["path"].startswith(f"{s3_bucket}/ckpt/alice/{job['id']}/step-")
+        [restarted] = [e for e in _events(c, job["id"]) if e["type"] == "restarted"]
+        assert 0 < restarted["from_step"] <= killed_at, (restarted, killed_at)
+        assert restarted["rerun_steps"] >= killed_at - restarted["from_step"]
+        assert "restart 1 of 1 from the checkpoint of step" in restarted["message"]
+        rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()
+        assert [r["step"] for r in rows] == list(range(1, steps + 1))  # every step once
+        reruns = [r["step"] for r in rows if r.get("rerun")]
+        assert reruns == list(range(restarted["from_step"] + 1, restarted["from_step"] + 1 + restarted["rerun_steps"]))
+        got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
+    want, losses = reference.train(parse_spec(body))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    # the checkpoints on S3: the newest `keep` complete ones, the older ones deleted
+    root = f"{s3_bucket}/ckpt/alice/{job['id']}"
+    assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(root)][-1] == steps
+
+
+def test_a_second_loss_after_the_restarts_are_used_up_fails_the_job(durable_server, ray_session, tmp_path):
+    body = spec_dict("once", 100000, str(tmp_path / "ckpt"), every=1, most=1)
+    with durable_server.client() as c:
+        job = c.post("/v1/jobs", json=body).json()
+        until(lambda: c.get(f"/v1/jobs/{job['id']}").json()["checkpoint"])
+        _kill_scheduler(ray_session, job["id"])
+        until(lambda: any(e["type"] == "resumed" for e in _events(c, job["id"])))  # the new scheduler runs
+        _kill_scheduler(ray_session, job["id"])
+        failed = wait_state(c, job["id"], {"FAILED"}, timeout=60)
+        assert "scheduler actor was lost" in failed["error"]
+        assert "restarts are used up (1 of restarts.max 1)" in failed["error"]
+        assert failed["restarts"] == 1
+
+
+def test_a_cancelled_job_is_never_restarted(durable_server, ray_session, tmp_path):
+    """Even when its scheduler is lost as the user cancels it (a restart could resume it)."""
+    body = spec_dict("cancelled", 100000, str(tmp_path / "ckpt"), every=1, most=3)
+    with durable_server.client() as c:
+        job = c.post("/v1/jobs", json=body).json()
+        until(lambda: c.get(f"/v1/jobs/{job['id']}").json()["checkpoint"])
+        _kill_scheduler(ray_session, job["id"])
+        assert c.post(f"/v1/jobs/{job['id']}/cancel").json()["state"] == "CANCELLED"
+        time.sleep(1.5)  # a reconcile round (every second here) after the end
+        again = c.get(f"/v1/jobs/{job['id']}").json()
+        assert again["state"] == "CANCELLED" and again["restarts"] == 0
+
+
+def test_storage_errors_are_refused_before_any_actor_starts(durable_server, s3_bucket):
+    with durable_server.client() as c:
+        r = c.post("/v1/jobs", json=spec_dict("nobucket", 4, "s3://no-such-bucket-here/x"))
+        assert r.status_code == 422 and "no-such-bucket-here" in r.json()["detail"], r.text
+        r = c.post("/v1/jobs", json=spec_dict("scheme", 4, "nosuch://x/y"))
+        assert r.status_code == 422 and "unknown storage scheme 'nosuch'" in r.json()["detail"], r.text
+        r = c.post("/v1/jobs", json=spec_dict("neg", 4, f"{s3_bucket}/x", most=-1))
+        assert r.status_code == 422, r.text
+        [err] = r.json()["detail"]  # FastAPI's validation error: where, and what is wrong
+        assert err["loc"] == ["body", "restarts", "max"] and err["msg"] == "Input should be greater than or equal to 0"
+        listed = c.get("/v1/jobs").json()["items"]
+        assert not {"nobucket", "scheme", "neg"} & {j["name"] for j in listed}  # nothing stored
+
+
+# ---------------------------------------------------------------- relaytrain run, in the foreground
+
+
+def _find_scheduler(ray_session, name: str, timeout: float = 60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for a in ray_session.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == NAMESPACE and a["name"].startswith(f"relaytrain:{name}-") \
+                    and a["name"].endswith(":scheduler"):
+                return ray_session.get_actor(a["name"], namespace=NAMESPACE)
+        time.sleep(0.1)
+    raise TimeoutError(name)
+
+
+def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(ray_session, s3_bucket, tmp_path):
+    """`relaytrain run` restarts a lost scheduler from S3; a bucket that vanishes mid-run costs
+    checkpoints (checkpoint_failed), not the job, and checkpoints resume when it is back."""
+    import boto3
+
+    bucket = s3_bucket.removeprefix("s3://")
+    steps = 80
+    body = spec_dict("fg", steps, f"{s3_bucket}/run", every=2, most=1)
+    body["checkpoint"]["max_failures"] = 1000
+    spec = parse_spec(body)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(r=run_job(spec=spec, out=str(tmp_path / "out"), progress=False)))
+    t.start()
+    metrics, events_file = tmp_path / "out" / "metrics.jsonl", tmp_path / "out" / "events.jsonl"
+
+    def committed():
+        return max([json.loads(x)["step"] for x in open(metrics)] or [0]) if metrics.exists() else 0
+
+    def kinds():
+        return [json.loads(x)["type"] for x in open(events_file)] if events_file.exists() else []
+
+    sched = _find_scheduler(ray_session, "fg")
+    until(lambda: "checkpoint" in kinds() and committed() >= 5, what="a checkpoint and 5 steps")
+    ray_session.kill(sched)
+    until(lambda: "resumed" in kinds(), what="the restarted scheduler resumed")
+    s3 = boto3.client("s3")  # take the bucket away for a while (parts may land while it is emptied)
+
+    def bucket_gone():
+        for o in s3.list_objects_v2(Bucket=bucket).get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=o["Key"])
+        try:
+            s3.delete_bucket(Bucket=bucket)
+            return True
+        except s3.exceptions.ClientError as e:
+            assert "BucketNotEmpty" in str(e)
+            return False
+    until(bucket_gone, every=0, what="the bucket deleted")
+    until(lambda: "checkpoint_failed" in kinds() or not t.is_alive(), what="a failed checkpoint")
+    s3.create_bucket(Bucket=bucket)
+    t.join(180)
+    assert out["r"]["state"] == "SUCCEEDED"
+    events = [json.loads(x) for x in open(events_file)]
+    k = [e["type"] for e in events]
+    assert k.count("restarted") == 1 and "checkpoint_failed" in k
+    assert "checkpoint" in k[k.index("checkpoint_failed"):]  # written again once the bucket is back
+    fail = next(e for e in events if e["type"] == "checkpoint_failed")
+    assert "bucket" in fail["reason"].lower() and "training goes on" in fail["message"], fail
+    assert checkpoint.step_of(checkpoint.latest(f"{s3_bucket}/run")) == steps
+    rows = [json.loads(x) for x in open(metrics)]
+    assert sorted({r["step"] for r in rows}) == list(range(1, steps + 1))
+    restarted = next(e for e in events if e["type"] == "restarted")
+    assert [r["step"] for r in rows if r.get("rerun")] == \
+        list(range(restarted["from_step"] + 1, restarted["from_step"] + 1 + restarted["rerun_steps"]))
+    want, _ = reference.train(spec)
+    got = torch.load(tmp_path / "out" / "model.pt")
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
+
+
+def test_a_worker_killed_mid_upload_leaves_no_checkpoint_that_resumes(ray_session, s3_bucket, tmp_path):
+    """Big parts (an 8 M-parameter mlp: about 100 MB a part) so the upload takes a while; the
+    second stage's worker is killed once the first stage's part is on S3 and before the manifest."""
+    import boto3
+
+    bucket = s3_bucket.removeprefix("s3://")
+    body = spec_dict("cut", 10000, f"{s3_bucket}/cut", every=1, most=0)
+    body["model"] = {"kind": "mlp", "args": {"hidden": 1400, "layers": 4}}
+    spec = parse_spec(body)
+    err: dict = {}
+
+    def go():
+        try:
+            run_job(spec=spec, out=str(tmp_path / "out"), progress=False)
+        except JobFailed as e:
+            err["e"] = e
+    t = threading.Thread(target=go)
+    t.start()
+    s3 = boto3.client("s3")
+    victim = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and victim is None:
+        keys = [o["Key"] for o in s3.list_objects_v2(Bucket=bucket, Prefix="cut/").get("Contents", [])]
+        for step_dir in sorted({k.split("/")[1] for k in keys}):
+            parts = {k.split("/")[-1] for k in keys if k.split("/")[1] == step_dir}
+            if "part-00000-of-00002.pt" in parts and "part-00001-of-00002.pt" not in parts \
+                    and "meta.json" not in parts:
+                victim = step_dir
+                break
+        time.sleep(0.02)
+    assert victim, "never saw a checkpoint with one part written"
+    for a in ray_session.util.list_named_actors(all_namespaces=True):
+        if a["namespace"] == NAMESPACE and a["name"].startswith("relaytrain:cut-") and a["name"].endswith(":w0.1"):
+            ray_session.kill(ray_session.get_actor(a["name"], namespace=NAMESPACE))
+    t.join(120)
+    assert "e" in err  # a fixed-shape job fails when a worker is lost
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        checkpoint.resolve(f"{s3_bucket}/cut/{victim}")
+    newest = checkpoint.latest(f"{s3_bucket}/cut")
+    if newest is not None:  # an older complete one: it loads whole
+        assert checkpoint.step_of(newest) < int(victim.split("-")[1])
+        assert checkpoint.load(newest)["model"]
