@@ -20,10 +20,43 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-try:  # torch's split backward (input gradient first, weight gradients after), as its zero-bubble schedules use
-    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
-except ImportError:  # another torch: every backward stays whole
-    stage_backward_input = stage_backward_weight = None
+
+
+def _split_backward():
+    """torch's split backward (input gradient first, weight gradients after), as its zero-bubble
+    schedules use: ``(stage_backward_input, stage_backward_weight)``, or Nones on a torch without it.
+
+    Loaded from its file alone: importing ``torch.distributed.pipelining`` runs the package's
+    ``__init__`` (its schedules, tracer, DTensor and dynamo), 1.3 s of CPU in every worker's
+    start for two functions that need none of it.  The module is registered under a private
+    package name, so a real ``import torch.distributed.pipelining`` elsewhere is untouched."""
+    import importlib.util
+    import os
+    import sys
+    import types
+
+    try:
+        import torch.distributed as _dist
+
+        folder = os.path.join(os.path.dirname(_dist.__file__), "pipelining")
+        pkg = "_relaytrain_torch_pipelining"
+        if pkg not in sys.modules:
+            stub = types.ModuleType(pkg)
+            stub.__path__ = [folder]
+            sys.modules[pkg] = stub
+        name = f"{pkg}._backward"
+        mod = sys.modules.get(name)
+        if mod is None:
+            spec = importlib.util.spec_from_file_location(name, os.path.join(folder, "_backward.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[name] = mod
+            spec.loader.exec_module(mod)
+        return mod.stage_backward_input, mod.stage_backward_weight
+    except Exception:  # another torch: every backward stays whole
+        return None, None
+
+
+stage_backward_input, stage_backward_weight = _split_backward()
 
 from actors.failures import StageAborted, talking_to_peers
 from service import schedules

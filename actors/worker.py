@@ -44,7 +44,6 @@ from service.loading import ModelRecipe, build_data, build_loss, build_optimizer
 from service.recipe import check_precision, lr_at, needs_global_norm, step_update
 from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
-from service.store import Store
 
 
 
@@ -223,6 +222,8 @@ class StageWorker:
             return shards.write_shard(out["dir"], c.pp_rank, c.pp, tensors)
         name = shards.shard_name(c.pp_rank, c.pp)
         data = shards.to_bytes(tensors)
+        from service.store import Store  # only a job whose model goes to the store (SQLAlchemy: 0.3 s)
+
         Store(out["store"]).put_artifact(self.job_id, f"model/{name}", data)
         return {"file": name, "names": list(tensors), "bytes": sum(t.numel() * t.element_size() for t in tensors.values())}
 
