@@ -2,8 +2,11 @@
 off-node *peer*, actors/statekeeper.py) and of its own stage until a newer copy is complete."""
 from __future__ import annotations
 
+import os
 import threading
 import time
+
+import torch
 
 from actors.state import merge_states, subset_state
 
@@ -47,6 +50,34 @@ class Uploads:
     def __init__(self):
         self._running: dict[int, tuple[threading.Thread, dict, threading.Event]] = {}  # step -> ...
         self._lock = threading.Lock()
+        self._staging: dict[str, torch.Tensor] = {}  # the copy's memory, reused by the next checkpoint
+
+    def busy(self) -> bool:
+        with self._lock:
+            return any(t.is_alive() for t, _, _ in self._running.values())
+
+    def copy(self, tree):
+        """A copy of ``tree`` (dicts of tensors) in the staging buffers kept from the last
+        checkpoint: memory already touched, so the copy costs a quarter of a fresh clone (no
+        page faults; measured 20 against 90 ms for 128 MiB here).  Only while no other upload
+        runs (the scheduler writes one checkpoint at a time)."""
+        used: set[str] = set()
+
+        def walk(v, key: str):
+            if isinstance(v, torch.Tensor):
+                b = self._staging.get(key)
+                if b is None or b.shape != v.shape or b.dtype != v.dtype:
+                    b = self._staging[key] = torch.empty(v.shape, dtype=v.dtype)
+                used.add(key)
+                return b.copy_(v.detach())
+            if isinstance(v, dict):
+                return {k: walk(x, f"{key}\0{k}") for k, x in v.items()}
+            return v
+
+        out = walk(tree, "")
+        for key in set(self._staging) - used:  # layers this worker no longer holds
+            del self._staging[key]
+        return out
 
     def start(self, step: int, copy, write) -> None:
         """In a thread: ``state = copy()``, then ``write(state)`` (returns the part's entry);
@@ -55,6 +86,7 @@ class Uploads:
         copied = threading.Event()
 
         def run():
+            _lowest_priority()
             try:
                 t0 = time.perf_counter()
                 try:
@@ -92,3 +124,14 @@ class Uploads:
         if "error" in outcome:
             raise outcome["error"]
         return outcome["entry"]
+
+
+def _lowest_priority() -> None:
+    """Run this thread (and the threads it starts: fsspec's I/O loop) at the lowest CPU priority:
+    where the training thread and the upload share cores, the step gets them first and the
+    upload takes what the step leaves (waits on peers, bubbles).  Linux schedules threads on
+    their own, so this leaves the worker's other threads as they are."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not allowed: the upload runs as it is
+        pass

@@ -202,7 +202,8 @@ class StageWorker:
             live = {"model": {k: v if k in params else clone(v) for k, v in self.stage.state_dict().items()},
                     "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
         index, count = self.cell.pp_rank, self.cell.pp
-        self.uploads.start(committed, lambda: clone(live),
+        copy = clone if self.uploads.busy() else self.uploads.copy  # reused memory unless one still runs
+        self.uploads.start(committed, lambda: copy(live),
                            lambda state: checkpoint.write_part(folder, index, count, state["model"], state["optim"]))
         return time.perf_counter() - t0
 
