@@ -68,14 +68,10 @@ import json
 import os
 import platform
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -94,7 +90,6 @@ MICROBATCHES = 4      # a step; global batch = 4 x microbatch
 SKIP = 2              # warm-up steps left out of the medians
 MIN_AVAILABLE = 6 * GiB
 JOB_TIMEOUT = 900.0
-REGION = "us-east-1"
 BUCKET = "relaytrain-bench"
 FULL = {"sizes": [1024, 2048, 2896], "mbss": [8, 32], "storages": ["local", "s3"], "computes": ["real", "paced"],
         "steps": 12, "sleep_ms": 2.0}
@@ -173,97 +168,25 @@ def job_spec(name: str, hidden: int, mbs: int, steps: int, compute: str, sleep_m
 
 # ---------------------------------------------------------------- S3: a moto server on loopback
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def moto_empty(moto, bucket: str, prefix: str) -> int:
+    """Delete every object under ``prefix`` (moto keeps them in its memory); how many."""
+    c, n = moto.client(), 0
+    for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
+        keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if keys:
+            c.delete_objects(Bucket=bucket, Delete={"Objects": keys})
+            n += len(keys)
+    return n
 
 
-class Moto:
-    """``python -m moto.server`` on a free loopback port (as tests/s3server.py starts it), with
-    the environment S3 clients, the workers included, take the endpoint and fake credentials from."""
+def moto_rss(moto) -> int | None:
+    """The moto server's resident memory (bytes)."""
+    try:
+        with open(f"/proc/{moto.proc.pid}/status") as f:
+            return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS"))
+    except (OSError, StopIteration, AttributeError):
+        return None
 
-    def __init__(self):
-        self.port = free_port()
-        self.endpoint = f"http://127.0.0.1:{self.port}"
-        self.proc = None
-        self.log = tempfile.NamedTemporaryFile(prefix="moto-bench-", suffix=".log", delete=False)
-
-    def configure_env(self) -> None:
-        for name in ("AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_ENDPOINT_URL_S3"):
-            os.environ.pop(name, None)
-        os.environ.update({"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": "testing",
-                           "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": REGION,
-                           "AWS_EC2_METADATA_DISABLED": "true", "AWS_CONFIG_FILE": os.devnull,
-                           "AWS_SHARED_CREDENTIALS_FILE": os.devnull})
-
-    def start(self, timeout: float = 60.0) -> "Moto":
-        env = {k: v for k, v in os.environ.items() if k != "INITIAL_NO_AUTH_ACTION_COUNT"}
-        self.proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the moto server on {self.endpoint} exited with {self.proc.returncode}:\n"
-                                   f"{self._tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.endpoint}/moto-api/data.json", timeout=2):
-                    return self
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"the moto server on {self.endpoint} did not answer in {timeout:.0f} s")
-            time.sleep(0.1)
-
-    def client(self):
-        import boto3
-
-        return boto3.client("s3", endpoint_url=self.endpoint, region_name=REGION,
-                            aws_access_key_id="testing", aws_secret_access_key="testing")
-
-    def create_bucket(self, name: str) -> None:
-        self.client().create_bucket(Bucket=name)
-
-    def empty(self, bucket: str, prefix: str) -> int:
-        """Delete every object under ``prefix`` (moto keeps them in its memory); how many."""
-        c, n = self.client(), 0
-        for page in c.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-            keys = [{"Key": o["Key"]} for o in page.get("Contents", [])]
-            if keys:
-                c.delete_objects(Bucket=bucket, Delete={"Objects": keys})
-                n += len(keys)
-        return n
-
-    def rss(self) -> int | None:
-        try:
-            with open(f"/proc/{self.proc.pid}/status") as f:
-                return next(int(ln.split()[1]) * 1024 for ln in f if ln.startswith("VmRSS"))
-        except (OSError, StopIteration, AttributeError):
-            return None
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        self.proc = None
-        self.log.close()
-        try:
-            os.unlink(self.log.name)
-        except OSError:
-            pass
-
-    def _tail(self) -> str:
-        self.log.flush()
-        with open(self.log.name, errors="replace") as f:
-            return f.read()[-3000:]
-
-
-# ---------------------------------------------------------------- one job
 
 def median(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
@@ -332,9 +255,9 @@ def run_one(cfg: dict, every: int, storage: str, grid: dict, where: dict) -> dic
         if local:
             shutil.rmtree(local, ignore_errors=True)
         if storage == "s3" and every and where.get("moto"):
-            row["moto_rss"] = where["moto"].rss()
+            row["moto_rss"] = moto_rss(where["moto"])
             try:
-                where["moto"].empty(BUCKET, name + "/")
+                moto_empty(where["moto"], BUCKET, name + "/")
             except Exception as e:  # noqa: BLE001
                 print(f"could not empty s3://{BUCKET}/{name}: {e}", flush=True)
     row.update(summarize(final.get("metrics", []), final.get("events", [])))
@@ -399,9 +322,10 @@ def measure(grid: dict, local_dir: str) -> dict:
 
     moto = None
     if "s3" in grid["storages"]:
-        moto = Moto()
-        moto.configure_env()  # before ray.init: the workers inherit the endpoint and credentials
-        moto.start()
+        from tests import s3server  # the tests' moto server: `python -m moto.server` on a loopback port
+
+        # the endpoint and fake credentials in AWS_* before ray.init: the workers inherit them
+        moto = s3server.MotoServer(s3server.configure_env()).start()
         moto.create_bucket(BUCKET)
         print(f"moto server on {moto.endpoint}, bucket {BUCKET}", flush=True)
     rows = []
@@ -503,10 +427,11 @@ def render(res: dict) -> str:
             f"without the boundary's pause). Step period: mean time between metrics rows (the step, its commit "
             f"and what the scheduler does between steps: the mean step time, which the uploads slow too, plus "
             f"'between steps'). Between steps: the period less the step time, a mean: the "
-            f"commit, the checkpoint's pause, and the manifest (and keep's deletions) of the checkpoint before, "
-            f"which the scheduler writes at the first boundary after its parts are written. Train state: 16 B a parameter (parameters, gradients, two Adam "
+            f"commit and the checkpoint's pause (the manifest and keep's deletions are written in a thread of "
+            f"the scheduler). Train state: 16 B a parameter (parameters, gradients, two Adam "
             f"slots); a checkpoint holds the parameters and Adam's two slots (12 B a parameter). Pause: what the "
-            f"boundary waited for (copy of the state to memory, start of the upload). Write: from the boundary "
+            f"boundary waited for (the step's own optimizer update, moved there, and starting each stage's part; "
+            f"the copy of the state runs in the upload's thread beside the next step). Write: from the boundary "
             f"until the scheduler saw every part written (looked at at boundaries). Written / asked: a checkpoint "
             f"due while the previous one is being written waits; with every_steps 1 the boundary where the "
             f"previous one is found written asks for one itself, so the waiting ones are dropped, none is late "

@@ -19,7 +19,6 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
 from tests import s3server  # noqa: E402
 
 s3server.configure_env()
-s3_server, s3_bucket, s3_auth_server = s3server.s3_server, s3server.s3_bucket, s3server.s3_auth_server  # fixtures
 
 
 def restart_session_ray():
@@ -38,3 +37,30 @@ def ray_session():
     restart_session_ray()
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """The session's moto server, on the endpoint AWS_ENDPOINT_URL names (started on first use)."""
+    server = s3server.MotoServer(s3server.configure_env()).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3_bucket(s3_server) -> str:
+    """A fresh, empty bucket of the session's moto server: ``"s3://<bucket>"``."""
+    return f"s3://{s3_server.create_bucket()}"
+
+
+@pytest.fixture
+def s3_auth_server():
+    """A moto server of its own that checks credentials against its IAM, once set up:
+    ``(server, bucket, keys)``, keys as :meth:`s3server.MotoServer.require_auth` gives them."""
+    server = s3server.MotoServer().start()
+    try:
+        bucket = server.create_bucket()
+        keys = server.require_auth()
+        yield server, bucket, keys
+    finally:
+        server.stop()

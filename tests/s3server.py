@@ -20,7 +20,6 @@ import urllib.request
 import uuid
 from typing import Optional
 
-import pytest
 
 ENDPOINT: Optional[str] = None  # set by configure_env
 REGION = "us-east-1"
@@ -140,30 +139,3 @@ class MotoServer:
         with urllib.request.urlopen(req, timeout=5):
             pass
         return keys
-
-
-@pytest.fixture(scope="session")
-def s3_server():
-    """The session's moto server, on the endpoint AWS_ENDPOINT_URL names (started on first use)."""
-    server = MotoServer(configure_env()).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture
-def s3_bucket(s3_server) -> str:
-    """A fresh, empty bucket of the session's moto server: ``"s3://<bucket>"``."""
-    return f"s3://{s3_server.create_bucket()}"
-
-
-@pytest.fixture
-def s3_auth_server():
-    """A moto server of its own that checks credentials against its IAM, once set up:
-    ``(server, bucket, keys)``, keys as :meth:`MotoServer.require_auth` gives them."""
-    server = MotoServer().start()
-    try:
-        bucket = server.create_bucket()
-        keys = server.require_auth()
-        yield server, bucket, keys
-    finally:
-        server.stop()

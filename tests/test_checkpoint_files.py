@@ -115,11 +115,17 @@ def test_parts_written_by_concurrent_processes_load_whole_and_by_name(tmp_path):
     assert meta["parts"][1]["model"] == ["1.weight", "1.bias"] and meta["parts"][1]["optim"] == ["1.weight", "1.bias"]
     assert meta["parts"][2]["model"][-1] == "2.num_batches_tracked"
 
-    got = checkpoint.load(tmp_path)
+    assert_loads_whole_and_by_name(tmp_path, final, state)
+
+
+def assert_loads_whole_and_by_name(root, final, state: dict) -> None:
+    """The newest checkpoint under ``root`` (``final``, step 50 of job "j") holds ``state``: read
+    whole, and by name for another cut (only those entries)."""
+    got = checkpoint.load(root)
     assert got["step"] == 50 and got["path"] == str(final) and got["meta"]["job_id"] == "j"
     assert list(got["model"]) == list(state["model"]) and _same(got["model"], state["model"])
     assert _same(got["optim"], state["optim"])
-    assert checkpoint.names_in(tmp_path) == list(state["model"])
+    assert checkpoint.names_in(root) == list(state["model"])
 
     wanted = lambda n: layer_of(n) in (2, 3, 4)  # noqa: E731  another cut: layers [2, 5)
     sub = checkpoint.load(final, names=wanted)

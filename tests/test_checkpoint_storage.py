@@ -11,9 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from actors.state import layer_of
 from service import checkpoint, storage
-from tests.test_checkpoint_files import CUTS, _same, _stage, _state, _trained
+from tests.test_checkpoint_files import CUTS, _same, _stage, _state, _trained, assert_loads_whole_and_by_name
 
 EMPTY = {"state": {}, "groups": []}
 
@@ -71,18 +70,7 @@ def test_parts_written_by_concurrent_processes_load_whole_and_by_name(s3_server,
     assert [p["file"] for p in meta["parts"]] == [f"part-0000{s}-of-00004.pt" for s in range(4)]
     assert all(p["bytes"] == fs.size(f"{path}/{p['file']}") for p in meta["parts"])
 
-    got = checkpoint.load(root)
-    assert got["step"] == 50 and got["path"] == final and got["meta"]["job_id"] == "j"
-    assert list(got["model"]) == list(state["model"]) and _same(got["model"], state["model"])
-    assert _same(got["optim"], state["optim"])
-    assert checkpoint.names_in(root) == list(state["model"])
-
-    wanted = lambda n: layer_of(n) in (2, 3, 4)  # noqa: E731  another cut: layers [2, 5)
-    sub = checkpoint.load(final, names=wanted)
-    assert _same(sub["model"], {k: v for k, v in state["model"].items() if wanted(k)})
-    assert _same(sub["optim"]["state"], {k: v for k, v in state["optim"]["state"].items() if wanted(k)})
-    assert sub["optim"]["groups"] == state["optim"]["groups"]
-    assert set(checkpoint.load(final, names={"1.bias", "4.weight"})["model"]) == {"1.bias", "4.weight"}
+    assert_loads_whole_and_by_name(root, final, state)
 
 
 def test_crash_between_parts_leaves_no_checkpoint(s3_server, s3_bucket):
