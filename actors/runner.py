@@ -193,12 +193,12 @@ class _Seen:
         if bar is not None:
             if snap["metrics"]:
                 last = snap["metrics"][-1]
-                bar.n = bar.last_print_n = last["step"]
+                bar.n = last["step"]
                 bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped",
                                 samples_s=f"{last['samples_per_s']:.0f}", shape=f"{last['dp']}x{last['pp']}")
-            elif bar.n == 0 and snap["step"]:
-                bar.n = bar.last_print_n = snap["step"]
-            bar.refresh()
+            elif bar.n == 0 and snap["step"]:  # a resumed run: the bar starts at the step it resumed from
+                bar.n = snap["step"]
+                bar.refresh()
 
     def close(self) -> None:
         if self.bar is not None:
