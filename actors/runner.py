@@ -144,12 +144,10 @@ def _restart_from(spec: JobSpec, root: Optional[str], used: int, committed: int,
             store.add_events(job_id, [row])
         outputs.event("failed", d.message)
         raise JobFailed(d.message)
-    row = {"type": "restarted", "message": d.message, "reason": reason, "restart": used + 1,
-           "restarts_max": spec.restarts.max, "from_step": step, "rerun_steps": max(0, committed - step),
-           "checkpoint": str(newest)}
-    outputs.event(row["type"], row["message"], **{k: v for k, v in row.items() if k not in ("type", "message")})
+    fields = {**d.fields, "checkpoint": str(newest)}
+    outputs.event("restarted", d.message, **fields)
     if store:
-        store.add_events(job_id, [row])
+        store.add_events(job_id, [{"type": "restarted", "message": d.message, **fields}])
     print(f"relaytrain: {d.message}", file=sys.stderr)
     return str(newest)
 

@@ -407,9 +407,8 @@ class JobManager:
         if not d.restart:
             self._fail(job_id, d.message)
             return
-        self.store.add_events(job_id, [{"type": "restarted", "message": d.message, "reason": self.LOST,
-                                        "restart": used + 1, "restarts_max": spec.restarts.max, "from_step": step,
-                                        "rerun_steps": max(0, job["step"] - step), "checkpoint": str(newest)}])
+        self.store.add_events(job_id, [{"type": "restarted", "message": d.message, **d.fields,
+                                        "checkpoint": str(newest)}])
         self._starting.add(job_id)
         threading.Thread(target=self._restart, args=(job, str(newest)), daemon=True).start()
 

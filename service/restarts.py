@@ -42,6 +42,7 @@ def checkpoint_root(spec: JobSpec, *, home: Optional[Path] = None, tenant: str =
 class Decision:
     restart: bool
     message: str     # the sentence for the job's event (restarted) or its error (failed)
+    fields: Optional[dict] = None  # a restart's ``restarted`` event fields (with the checkpoint's path added)
 
 
 def decide(spec: JobSpec, *, used: int, committed: int, newest_step: Optional[int], reason: str,
@@ -63,7 +64,9 @@ def decide(spec: JobSpec, *, used: int, committed: int, newest_step: Optional[in
         return Decision(False, f"{reason}, and there is no complete checkpoint to restart it from ({why})")
     rerun = max(0, committed - newest_step)
     return Decision(True, f"{reason}; restart {used + 1} of {most} from the checkpoint of step {newest_step} "
-                          f"({rerun} committed steps run again)")
+                          f"({rerun} committed steps run again)",
+                    {"reason": reason, "restart": used + 1, "restarts_max": most, "from_step": newest_step,
+                     "rerun_steps": rerun})
 
 
 def check_storage(root: Optional[str]) -> None:
