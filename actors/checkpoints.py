@@ -43,6 +43,7 @@ class CheckpointWriter:
         self.owed: Optional[int] = None     # the step that asked for a checkpoint while one was being written
         self.flight: Optional[dict] = None  # the checkpoint being written: step, folder, refs, times
         self.known: Optional[set[int]] = None  # steps with a folder on the storage (read once)
+        self.written: Optional[tuple[int, str]] = None  # the newest complete checkpoint: step, path
         self._finisher = ThreadPoolExecutor(1, thread_name_prefix="relaytrain-checkpoint")  # manifests
         if self.root and self.every:  # read while the first steps run (and the connection is made)
             self._scan = self._finisher.submit(checkpoint.step_folders, self.root)
@@ -64,6 +65,19 @@ class CheckpointWriter:
         self._start(committed, asked)
         if committed == self.last:
             self.poll(block=True)
+
+    def now(self, committed: int) -> str:
+        """Write the checkpoint of ``committed`` steps (unless it is written already) and wait
+        for it; its path.  A failure raises ``JobFailure``."""
+        if not self.root:
+            raise JobFailure("a checkpoint was asked for but the job writes none (set checkpoint.every_steps)")
+        self.poll(block=True)
+        if self.written is None or self.written[0] != committed:
+            self._start(committed, committed)
+            self.poll(block=True)
+        if self.written is None or self.written[0] != committed:
+            raise JobFailure(f"the checkpoint of step {committed} could not be written to {self.root}")
+        return self.written[1]
 
     def _start(self, step: int, asked: int) -> None:
         g = self.group
@@ -110,6 +124,7 @@ class CheckpointWriter:
         parts = ray.get(f["refs"])
         path = checkpoint.finish(self.root, f["folder"], f["step"], parts, dict(self.meta), keep=self.keep)
         step, upload_s = f["step"], time.monotonic() - f["t0"]
+        self.written = (step, str(path))
         size = sum(p.get("bytes", 0) for p in parts)
         copy_s = max(p.get("copy_s", 0.0) for p in parts)
         late = f" (due at step {f['asked']}; the previous one was still being written)" if f["asked"] != step else ""

@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch
 from actors.failures import JobCancelled, JobFailure, WorkerLost
-from actors.jobstates import Cancelled, Failed, Finishing, Reshaping, Running, Starting, State, Succeeded
+from actors.jobstates import Cancelled, Failed, Finishing, Preempted, Reshaping, Running, Starting, State, Succeeded
 from actors.record import JobRecord, metrics_row
 from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
@@ -30,7 +30,8 @@ from service.spec import JobSpec, SpecError
 class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
                  keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
-                 watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper):
+                 watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper,
+                 cap: Optional[int] = None):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
         self.model_out, self.save_index = model_out, save_index  # where the final model's shards go
@@ -45,6 +46,25 @@ class JobController:
         self.final_attempts = 0
         self.final: Optional[dict] = None            # the final model's index (service/shards.py)
         self.cancelled = getattr(group, "cancelled", None) or threading.Event()  # one event: the group waits on it too
+        self.cap = cap                               # workers the cluster scheduler allots (elastic; None: any)
+        self.cap_reason = ""
+        self.preempt_reason: Optional[str] = None    # the cluster scheduler asked it to give its slots back
+        self.usable: Optional[list[int]] = None      # worker counts its planner uses whole (elastic)
+
+    # ---------------------------------------------------------------- the cluster scheduler's orders
+
+    def allot(self, workers: int, reason: str) -> bool:
+        """The cluster scheduler allots ``workers``: above them the job shrinks at the next step
+        boundary, below them it may grow.  True when that changed the allotment."""
+        changed = workers != self.cap
+        self.cap, self.cap_reason = workers, reason
+        if changed and self.elastic:
+            self.grow_after = 0.0
+        return changed
+
+    def preempt(self, reason: str) -> None:
+        """Stop at the next step boundary after a checkpoint, back to the queue."""
+        self.preempt_reason = reason
 
     def run(self) -> None:
         state: State = Starting()
@@ -94,6 +114,7 @@ class JobController:
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             self.group.gpus = self.group.gpus_per_worker()
         if self.elastic:
+            self.usable = self.usable or policy.usable_sizes(self.spec, self.layers.facts)
             self.watch = self.watch or NodeWatch()
             self.watch.start()
             sit = self._situation(kept=0, exclude=set(), forced=True, since=state.waited_since)
@@ -126,7 +147,7 @@ class JobController:
         free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect)
         cur = (self.group.shape.dp, self.group.shape.pp) if self.group.shape and not forced else None
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
-                                waited_s=time.monotonic() - since if since else 0.0)
+                                waited_s=time.monotonic() - since if since else 0.0, cap=self.cap)
 
     def _wait(self, d, since: Optional[float], again: Callable[[float], State], slots: int) -> State:
         if isinstance(d, policy.Fail):
@@ -138,13 +159,16 @@ class JobController:
 
     def _announce(self, shape: planner.Shape, why: str) -> None:
         self.record.announce_shape(shape, why, self.spec, gpus=self.group.gpus, workers=self.group.describe(),
-                                   costs=list(self.layers.facts.seconds) if self.layers.profiled else None)
+                                   costs=list(self.layers.facts.seconds) if self.layers.profiled else None,
+                                   usable=self.usable)
 
     # ---------------------------------------------------------------- steps
 
     def _run_step(self, step: int) -> State:
         if step >= self.spec.training.steps:
             return Finishing()
+        if self.preempt_reason is not None:
+            return self._preempted(step)
         if self.elastic:
             move = self._at_boundary()
             if move is not None:
@@ -163,6 +187,18 @@ class JobController:
         eval_loss, lost = evaluation.run(self.group, self.record, self.spec, step, stats)
         self._commit(step, stats, wall, eval_loss)  # the step stands even if its evaluation was lost
         return self._lost(step, lost.refs, lost) if lost else Running(step + 1)
+
+    def _preempted(self, step: int) -> State:
+        """Give the slots back: a checkpoint of the committed steps, then back to the queue."""
+        try:
+            path = self.keeper.checkpoint_now(step, self.spec, self.record, self.job_id) if step else None
+        except JobFailure as e:  # keep training; the cluster scheduler may ask again
+            self.record.event("preempt_failed", f"not preempted: {e}; training goes on", reason=self.preempt_reason)
+            self.preempt_reason = None
+            return Running(step)
+        where = f"; it resumes from {path}" if path else ""
+        return Preempted(f"preempted after {step} committed steps ({self.preempt_reason}){where}",
+                         {"step": step, "checkpoint": path})
 
     def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:
         self.record.event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
@@ -210,7 +246,20 @@ class JobController:
     def _at_boundary(self) -> Optional[Move]:
         """Between steps: move off draining nodes, or grow onto workers started for it."""
         view = self.watch.view
-        return self.reshaper.off_draining(view) or self._grow(view)
+        return self.reshaper.off_draining(view) or self._shrink() or self._grow(view)
+
+    def _shrink(self) -> Optional[Move]:
+        """Above the cluster scheduler's allotment: keep that many workers (whole replicas
+        first, so the least state moves) and stop the others."""
+        g = self.group
+        if self.cap is None or len(g.workers) <= self.cap:
+            return None
+        if g.joining is not None:
+            g.stop_others(g.joining.handles)
+            g.joining = None
+        keep = dict(sorted(g.workers.items())[:self.cap])
+        return Move(f"the cluster scheduler: {self.cap_reason}", keep=keep, donors=dict(g.workers),
+                    exclude=set(), forced=True)
 
     def _grow(self, view) -> Optional[Move]:
         g, now = self.group, time.monotonic()

@@ -57,6 +57,10 @@ class Ended(State):
     message: str = ""
     fields: dict = field(default_factory=dict)
 
+    @property
+    def is_terminal(self) -> bool:  # the controller's loop ends (a preempted job's queue wait is not its)
+        return True
+
 
 @dataclass(frozen=True)
 class Succeeded(Ended):
@@ -74,3 +78,11 @@ class Failed(Ended):
 class Cancelled(Ended):
     job_state = JobState.CANCELLED
     kind = "cancelled"
+
+
+@dataclass(frozen=True)
+class Preempted(Ended):
+    """Gave its slots back to the cluster scheduler after a checkpoint: queued again, to resume."""
+
+    job_state = JobState.QUEUED
+    kind = "preempted"

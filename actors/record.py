@@ -86,13 +86,16 @@ class JobRecord:
             self.sink.write(metrics=[row], timeline_entry=timeline.record(row["step"], self.shape, workers_timeline))
         self.job_metrics.committed(row)
 
-    def announce_shape(self, shape, why: str, spec, *, gpus: float, workers: dict, costs: Optional[list]) -> None:
+    def announce_shape(self, shape, why: str, spec, *, gpus: float, workers: dict, costs: Optional[list],
+                       usable: Optional[list] = None) -> None:
         """A shape was installed: the job's shape field and a ``shape`` event."""
         p = spec.parallelism
         info = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
                 "transport": p.transport, "microbatches": spec.microbatches,
                 "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
                 "workers": workers}
+        if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
+            info["usable_workers"] = list(usable)
         self.set_shape(info)
         self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per stage {list(shape.sizes)}, "
                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "

@@ -30,7 +30,7 @@ class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
                  store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None,
-                 rerun_through: int = 0):
+                 rerun_through: int = 0, allocation: Optional[int] = None):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -43,14 +43,20 @@ class JobScheduler:
             model_dir = tempfile.mkdtemp(prefix=f"relaytrain-{job_id}-model-")
         self.model_out = {"dir": model_dir} if model_dir else {"store": store_url}
         self.controller = JobController(job_id, self.spec, search, self.record, self.group, self.keeper,
-                                        model_out=self.model_out, save_index=self._save_index)
+                                        model_out=self.model_out, save_index=self._save_index, cap=allocation)
+        self._started = False
+        if detached:  # started by its creation, which Ray completes even if the control plane dies meanwhile
+            self.start()
 
     def __repr__(self) -> str:
         return f"relaytrain:{self.job_id}:scheduler"
 
     def start(self) -> bool:
         """Run the job in a thread of this actor and return at once (the control plane
-        does not wait on a call that its own restart would cut)."""
+        does not wait on a call that its own restart would cut); a second call does nothing."""
+        if self._started:
+            return True
+        self._started = True
         threading.Thread(target=self._run_detached, name="relaytrain-job", daemon=True).start()
         return True
 
@@ -76,6 +82,15 @@ class JobScheduler:
 
     def cancel(self) -> bool:
         self.controller.cancelled.set()
+        return True
+
+    def set_allocation(self, workers: int, reason: str) -> bool:
+        """The cluster scheduler's allotment (api/cluster.py); True when it changed."""
+        return self.controller.allot(workers, reason)
+
+    def preempt(self, reason: str) -> bool:
+        """Give the slots back at the next step boundary, after a checkpoint (back to QUEUED)."""
+        self.controller.preempt(reason)
         return True
 
     def model_index(self) -> Optional[dict]:

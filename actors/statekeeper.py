@@ -198,15 +198,23 @@ class StateKeeper:
         order = [n for e in entries for n in e["names"]]
         return shards.index_of(entries, {"format": "pt", "step": committed, "order": order})
 
+    def checkpoint_now(self, committed: int, spec, record, job_id: str) -> str:
+        """A checkpoint of ``committed`` steps, written before this returns (to preempt); its path."""
+        self._writer(spec, record, job_id)
+        return self.writer.now(committed)
+
+    def _writer(self, spec, record, job_id: str) -> None:
+        if self.writer is None:
+            self.writer = CheckpointWriter(self.group, self.checkpoint_root, spec, record,
+                                           {"job_id": job_id, "name": spec.name}, self.timeout)
+
     def after_commit(self, committed: int, spec, record, job_id: str) -> None:
         """The off-node snapshot and the checkpoint the spec asks for after ``committed`` steps
         (the checkpoint is written beside the next steps: actors/checkpoints.py)."""
         snap = spec.elastic.snapshot_every_steps if spec.elastic.enabled else 0
         if snap and committed % snap == 0:
             self.take_snapshot(committed)
-        if self.writer is None:
-            self.writer = CheckpointWriter(self.group, self.checkpoint_root, spec, record,
-                                           {"job_id": job_id, "name": spec.name}, self.timeout)
+        self._writer(spec, record, job_id)
         self.writer.after_commit(committed)
 
     # ---------------------------------------------------------------- where a new shape's layers come from

@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
 from api.routes import health, jobs, packages, timeline, ui
-from service.auth import Authenticator, load_tokens
+from service.auth import Authenticator, load_tokens, load_weights
 from api.jobs import JobError, JobManager
 from service.settings import Settings
 from service.states import JobState
@@ -79,7 +79,8 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     settings = settings or Settings()
     settings.home.mkdir(parents=True, exist_ok=True)
     store = Store(settings.db_url)
-    manager = JobManager(settings, store)
+    manager = JobManager(settings, store, load_weights(settings.api_tokens, settings.tokens_file,
+                                                       settings.tenant_weights, settings.weights_file))
     auth = Authenticator(load_tokens(settings.api_tokens, settings.tokens_file))
 
     @asynccontextmanager

@@ -45,7 +45,7 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 
 
 def _serve(args) -> int:
-    from service.auth import TokenError, is_loopback, load_tokens
+    from service.auth import TokenError, is_loopback, load_tokens, load_weights
     from service.settings import Settings
 
     over = {k: v for k, v in {"host": args.host, "port": args.port, "ray_address": args.ray_address,
@@ -53,6 +53,7 @@ def _serve(args) -> int:
     settings = Settings(**over)
     try:
         tokens = load_tokens(settings.api_tokens, settings.tokens_file)
+        load_weights(settings.api_tokens, settings.tokens_file, settings.tenant_weights, settings.weights_file)
     except TokenError as e:
         print(f"relaytrain serve: {e}", file=sys.stderr)
         return 2
@@ -99,9 +100,20 @@ def _print_job(job: dict) -> None:
     loss = f"{job['loss']:.6g}" if job.get("loss") is not None else "-"
     most = (job.get("spec") or {}).get("restarts", {}).get("max", 0)
     ckpt = job.get("checkpoint")
+    queue = job.get("queue")
+    allotted = job.get("allotted_workers")
+    elastic = ((job.get("spec") or {}).get("elastic") or {}).get("enabled")
+    queued = ""
+    if job["state"] == "QUEUED":  # its place (1st, 2nd, ..., 11th, ..., 21st) and what it waits for
+        n = queue["position"] if queue else 0
+        nth = f"{n}{'th' if 11 <= n % 100 <= 13 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+        queued = (f"\n  queued: {nth}, {queue['reason']}" if queue
+                  else "\n  queued: waiting for the cluster scheduler to look at it")
     print(f"{job['id']}  {job['state']:<10} step {job['step']}/{job['steps']}  loss {loss}  "
           f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}"
+          + (f"  allotted {allotted} worker{'' if allotted == 1 else 's'}" if allotted is not None and elastic else "")
           + (f"  restarts {job.get('restarts', 0)}/{most}" if most or job.get("restarts") else "")
+          + queued
           + (f"\n  checkpoint: step {ckpt['step']} at {ckpt['path']}" if ckpt else "")
           + (f"\n  error: {job['error']}" if job.get("error") else ""))
 
@@ -185,7 +197,9 @@ def _list(client, args):
     page = client.jobs(args.state, args.limit)
     for job in page["items"]:
         _print_job(job)
-    print(f"{len(page['items'])} of {page['total']} jobs", file=sys.stderr)
+    queued = sum(job["state"] == "QUEUED" for job in page["items"])
+    print(f"{len(page['items'])} of {page['total']} jobs" + (f", {queued} of them queued (relaytrain cluster shows "
+          "the queue)" if queued else ""), file=sys.stderr)
 
 
 @_remote
@@ -194,6 +208,34 @@ def _status(client, args):
 
     job = client.job(args.job)
     print(json.dumps(job, indent=1)) if args.json else _print_job(job)
+
+
+@_remote
+def _cluster(client, args):
+    import json
+
+    c = client.cluster()
+    if args.json:
+        print(json.dumps(c))
+        return
+    queue = c.get("queue") or []
+    print(f"policy {c['policy']}, capacity {c['capacity']:g} CPU slots, {len(queue) or 'no'} job"
+          f"{'' if len(queue) == 1 else 's'} queued")
+    tenants = c.get("tenants") or []
+    if tenants:
+        rows = [("TENANT", "WEIGHT", "SHARE", "USING", "RUNNING", "QUEUED")] + [
+            (t["tenant"], f"{t['weight']:g}", f"{t['share']:.3g}", f"{t['using']:g}", str(t["running"]),
+             str(t["queued"])) for t in tenants]
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        for r in rows:
+            print("  ".join(r[0].ljust(widths[0]) if i == 0 else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip())
+    else:
+        print("no active jobs")
+    if queue:
+        print("queue:")
+        for q in queue:
+            job = q.get("job") or "(another tenant's job)"
+            print(f"  {q['position']:>3}. {q['tenant']}  {job}: {q['reason']}")
 
 
 @_remote
@@ -354,6 +396,9 @@ def _remote_commands(sub) -> None:
     ls.add_argument("--limit", type=int, default=50)
     st = remote("status", _status, "show one job")
     st.add_argument("--json", action="store_true")
+    cl = remote("cluster", _cluster, "show the cluster scheduler's policy, capacity, tenants' shares and the queue",
+                job=False)
+    cl.add_argument("--json", action="store_true", help="print GET /v1/cluster's JSON")
     remote("events", _events, "show a job's events")
     lg = remote("logs", _logs, "show a job's log: its events and what its workers printed, by time")
     lg.add_argument("--source", choices=["all", "events", "output"], default="all",

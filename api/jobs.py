@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Optional
 
 from actors import launch
+from api.cluster import ClusterScheduler
 from service import checkpoint, logtext, packages, rayconnect, restarts, shards
 from service.loading import check_structure
 from service.names import NAMESPACE
@@ -70,8 +71,9 @@ def start_local_ray(cpus: Optional[int]) -> None:
 
 
 class JobManager:
-    def __init__(self, settings: Settings, store: Store):
+    def __init__(self, settings: Settings, store: Store, weights: Optional[dict[str, float]] = None):
         self.settings, self.store = settings, store
+        self.cluster = ClusterScheduler(settings, store, weights or {}, admit=self._admit)
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._starting: set[str] = set()  # jobs whose scheduler actor is being created
@@ -143,15 +145,41 @@ class JobManager:
             raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
                           "the limit; wait for one to end or cancel one")
         job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
-        job, created = self.store.create_job(job_id, tenant, spec.model_dump(mode="json"), idempotency_key)
+        job, created = self.store.create_job(job_id, tenant, spec.model_dump(mode="json"), idempotency_key,
+                                             state=JobState.QUEUED)
         if created:
             self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
-            self._launch(job)
+            self.cluster.tick(fresh=job_id)  # admitted now if it fits, else queued saying why
         return self.get(tenant, job["id"]), created
 
-    def _launch(self, job: dict, resume: Optional[str] = None, rerun_through: int = 0) -> None:
-        """Start the job's scheduler (for a restart: resuming from the checkpoint ``resume``,
-        its steps up to ``rerun_through`` marked as re-runs)."""
+    def _admit(self, job: dict, workers: int, resumes: bool) -> None:
+        """The cluster scheduler admitted ``job`` on ``workers``; a preempted job resumes from
+        its newest checkpoint, once its old scheduler is gone."""
+        if not resumes:
+            self._launch(job, allocation=workers)
+            return
+        self._starting.add(job["id"])
+
+        def later():
+            try:
+                launch.wait_actors_gone(job["id"], timeout=60.0)
+                root = self.checkpoint_root(job)
+                newest = checkpoint.latest(root) if root else None
+            except Exception as e:
+                self._starting.discard(job["id"])
+                self._fail(job["id"], f"its checkpoints could not be read to resume it: {type(e).__name__}: {e}")
+                return
+            fresh = self.store.get_job(job["id"]) or job
+            self._launch(fresh, resume=str(newest) if newest else None, rerun_through=fresh["step"],
+                         allocation=workers)
+
+        threading.Thread(target=later, daemon=True).start()
+
+    def _launch(self, job: dict, resume: Optional[str] = None, rerun_through: int = 0,
+                allocation: Optional[int] = None) -> None:
+        """Start the job's scheduler on ``allocation`` workers at most (an elastic job; for a
+        restart: resuming from the checkpoint ``resume``, its steps up to ``rerun_through``
+        marked as re-runs)."""
         spec = JobSpec.model_validate(job["spec"])
         env = dict(spec.runtime_env)
         self._starting.add(job["id"])  # until its actor is up (see reconcile)
@@ -161,7 +189,7 @@ class JobManager:
             actor = launch.start_scheduler(
                 job["id"], job["spec"], [], runtime_env=env, detached=True,
                 checkpoint_root=self.checkpoint_root(job), resume=resume, rerun_through=rerun_through,
-                start_timeout=self.settings.start_timeout_s, store_url=self.store.url)
+                start_timeout=self.settings.start_timeout_s, store_url=self.store.url, allocation=allocation)
             ref = actor.start.remote()
         except Exception as e:
             self._starting.discard(job["id"])
@@ -195,12 +223,14 @@ class JobManager:
         job = self.store.get_job(job_id, tenant)
         if job is None:
             raise NotFound(f"no job {job_id!r}")
-        return {**job, **self.store.durability([job_id])[job_id]}
+        return self.with_durability([job])[0]
 
     def with_durability(self, rows: list[dict]) -> list[dict]:
-        """Jobs with their restarts and newest checkpoint (for a page of them)."""
+        """Jobs with their restarts, newest checkpoint, place in the queue and allotted workers
+        (for a page of them)."""
         got = self.store.durability([r["id"] for r in rows])
-        return [{**r, **got[r["id"]]} for r in rows]
+        return [{**r, **got[r["id"]], "queue": self.cluster.queued(r["id"]),
+                 "allotted_workers": self.cluster.allotted.get(r["id"])} for r in rows]
 
     def cancel(self, tenant: str, job_id: str, wait: float = 15.0) -> dict:
         import ray
@@ -218,8 +248,10 @@ class JobManager:
                 actor = None
         if actor is None:
             launch.release_placement_group(job_id)
+            queued = job["state"] == JobState.QUEUED.value
             if self.store.set_state(job_id, JobState.CANCELLED):
-                self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled before it ran"}])
+                self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled while queued" if queued
+                                                else "job cancelled before it ran"}])
             return self.get(tenant, job_id)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
@@ -365,7 +397,7 @@ class JobManager:
     def reconcile(self) -> int:
         """Restart (spec ``restarts``) or end each active job whose scheduler actor is gone;
         returns how many were found."""
-        active = [s.value for s in JobState if not s.is_terminal]
+        active = [s.value for s in JobState if not s.is_terminal and s is not JobState.QUEUED]  # queued: no actor
         jobs, _ = self.store.list_jobs(states=active, limit=10000)
         lost = 0
         for job in jobs:
@@ -417,17 +449,28 @@ class JobManager:
             launch.wait_actors_gone(job["id"], timeout=30.0)  # the lost scheduler's workers free their slots
         finally:
             self._starting.discard(job["id"])
-        self._launch(job, resume=resume, rerun_through=job["step"])
+        self._launch(job, resume=resume, rerun_through=job["step"], allocation=self.cluster.allotted.get(job["id"]))
 
     def start_background(self) -> None:
+        """Every ``queue_seconds`` the cluster scheduler decides; every ``reconcile_seconds``
+        lost schedulers are found."""
         def loop():
-            while not self._stop.wait(self.settings.reconcile_seconds):
+            due = time.monotonic() + self.settings.reconcile_seconds
+            while not self._stop.wait(min(self.settings.queue_seconds, self.settings.reconcile_seconds)):
+                try:
+                    self.cluster.tick()
+                except Exception as e:
+                    log.warning("the cluster scheduler failed: %s", e)
+                if time.monotonic() < due:
+                    continue
+                due = time.monotonic() + self.settings.reconcile_seconds
                 try:
                     self.reconcile()
                 except Exception as e:
                     log.warning("reconcile failed: %s", e)
 
         self.reconcile()
+        self.cluster.tick()
         self._thread = threading.Thread(target=loop, name="relaytrain-reconcile", daemon=True)
         self._thread.start()
 

@@ -8,6 +8,34 @@ from pydantic import BaseModel, Field
 from service.states import JobState
 
 
+class QueuePlace(BaseModel):
+    position: int = Field(description="1-based: the job the cluster scheduler admits next is 1")
+    reason: str = Field(description="what it waits for, e.g. 'waiting for 2 CPU slots (2 workers); 1 job ahead'")
+
+
+class TenantUse(BaseModel):
+    tenant: str
+    weight: float = Field(description="its weight in the fair shares (RELAYTRAIN_TENANT_WEIGHTS, tokens, file)")
+    share: float = Field(description="CPU slots its weight entitles it to among the tenants with work now")
+    using: float = Field(description="CPU slots its jobs hold now")
+    running: int = Field(description="its jobs admitted (PENDING, RUNNING, RESHAPING)")
+    queued: int = Field(description="its jobs QUEUED")
+
+
+class QueuedJob(BaseModel):
+    position: int
+    tenant: str
+    job: Optional[str] = Field(None, description="the job id; only for your own jobs")
+    reason: str
+
+
+class ClusterOut(BaseModel):
+    policy: str = Field(description="elastic, fair or fifo (RELAYTRAIN_QUEUE_POLICY)")
+    capacity: float = Field(description="CPU slots of the cluster (or its autoscaling ceiling) for jobs")
+    tenants: list[TenantUse]
+    queue: list[QueuedJob]
+
+
 class JobOut(BaseModel):
     id: str
     name: str
@@ -26,6 +54,9 @@ class JobOut(BaseModel):
     checkpoint: Optional[dict[str, Any]] = Field(
         None, description="the newest complete checkpoint: step, path (a folder or URL) and time; the one a "
                           "restart resumes from")
+    queue: Optional[QueuePlace] = Field(None, description="a QUEUED job's place in the queue and why it waits")
+    allotted_workers: Optional[int] = Field(
+        None, description="workers the cluster scheduler allots the job (an elastic job shrinks or grows to fit)")
     spec: dict[str, Any]
 
     @classmethod

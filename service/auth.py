@@ -3,6 +3,10 @@
 Tokens come from RELAYTRAIN_API_TOKENS ("tenant:token,...") or a tokens file (one
 "tenant:token" a line, '#' comments).  Lookups compare in constant time against every
 known token; tokens are never logged.
+
+A tenant's weight in the cluster's fair shares (service/fairshare.py) is 1 unless set: a third
+field of its token entry ("tenant:token:weight"), RELAYTRAIN_TENANT_WEIGHTS ("tenant:weight,...")
+or a weights file (RELAYTRAIN_WEIGHTS_FILE: a YAML or JSON mapping), later ones winning.
 """
 from __future__ import annotations
 
@@ -18,21 +22,40 @@ class TokenError(ValueError):
     pass
 
 
-def parse_tokens(text: str, source: str = "RELAYTRAIN_API_TOKENS") -> dict[str, str]:
-    """token -> tenant."""
-    out: dict[str, str] = {}
+def _entries(text: str, source: str) -> list[tuple[str, str, Optional[float]]]:
+    """(tenant, token, weight or None) per 'tenant:token[:weight]' entry."""
+    out = []
     for n, item in enumerate(text.replace("\n", ",").split(","), 1):
         item = item.strip()
         if not item or item.startswith("#"):
             continue
-        tenant, sep, token = item.partition(":")
-        tenant, token = tenant.strip(), token.strip()
-        if not sep or not tenant or not token:
-            raise TokenError(f"{source}: entry {n} is not 'tenant:token'")
+        parts = [x.strip() for x in item.split(":")]
+        weight = None
+        if len(parts) == 3:
+            weight = _weight(parts[2], parts[0], f"{source}: entry {n}")
+            parts = parts[:2]
+        if len(parts) != 2 or not parts[0] or not parts[1]:
+            raise TokenError(f"{source}: entry {n} is not 'tenant:token' or 'tenant:token:weight'")
+        tenant, token = parts
         if len(token) < 16:
             raise TokenError(f"{source}: the token of tenant {tenant!r} is shorter than 16 characters")
-        out[token] = tenant
+        out.append((tenant, token, weight))
     return out
+
+
+def _weight(value, tenant: str, where: str) -> float:
+    try:
+        w = float(value)
+    except (TypeError, ValueError):
+        w = float("nan")
+    if not w > 0 or w == float("inf"):
+        raise TokenError(f"{where}: the weight of tenant {tenant!r} must be a positive number, not {value!r}")
+    return w
+
+
+def parse_tokens(text: str, source: str = "RELAYTRAIN_API_TOKENS") -> dict[str, str]:
+    """token -> tenant."""
+    return {token: tenant for tenant, token, _ in _entries(text, source)}
 
 
 def load_tokens(env_value: str, tokens_file: Optional[Path]) -> dict[str, str]:
@@ -43,6 +66,50 @@ def load_tokens(env_value: str, tokens_file: Optional[Path]) -> dict[str, str]:
             raise TokenError(f"tokens file {p} does not exist")
         tokens.update(parse_tokens(p.read_text(), str(p)))
     return tokens
+
+
+def load_weights(tokens_env: str, tokens_file: Optional[Path], weights_env: str = "",
+                 weights_file: Optional[Path] = None) -> dict[str, float]:
+    """tenant -> weight, for the tenants given one (see the module's docstring).  A weights file
+    may name only tenants that have tokens (or 'local' when the server has none)."""
+    texts = [(tokens_env, "RELAYTRAIN_API_TOKENS")]
+    if tokens_file and Path(tokens_file).is_file():
+        texts.append((Path(tokens_file).read_text(), str(tokens_file)))
+    weights, tenants = {}, set()
+    for text, source in texts:
+        for tenant, _, w in _entries(text, source) if text else []:
+            tenants.add(tenant)
+            if w is not None:
+                weights[tenant] = w
+    for n, item in enumerate(weights_env.split(",") if weights_env else [], 1):
+        tenant, sep, value = item.strip().partition(":")
+        if not sep or not tenant.strip():
+            raise TokenError(f"RELAYTRAIN_TENANT_WEIGHTS: entry {n} is not 'tenant:weight'")
+        weights[tenant.strip()] = _weight(value.strip(), tenant.strip(), "RELAYTRAIN_TENANT_WEIGHTS")
+    if weights_file:
+        weights.update(_weights_file(Path(weights_file), tenants or {LOCAL_TENANT}))
+    return weights
+
+
+def _weights_file(p: Path, tenants: set[str]) -> dict[str, float]:
+    import json
+
+    import yaml
+
+    if not p.is_file():
+        raise TokenError(f"weights file {p} does not exist")
+    try:
+        data = json.loads(p.read_text()) if p.suffix == ".json" else yaml.safe_load(p.read_text())
+    except (ValueError, yaml.YAMLError) as e:
+        raise TokenError(f"weights file {p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise TokenError(f"weights file {p} must map tenant names to weights, like 'team-a: 2'")
+    unknown = sorted(str(t) for t in data if str(t) not in tenants)
+    if unknown:
+        raise TokenError(f"weights file {p} names tenant{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))} "
+                         f"that no API token belongs to (known: {', '.join(sorted(tenants))}); fix the name or add "
+                         "its token")
+    return {str(t): _weight(w, str(t), f"weights file {p}") for t, w in data.items()}
 
 
 class Authenticator:

@@ -57,6 +57,11 @@ class Client:
     def jobs(self, state: Optional[list[str]] = None, limit: int = 50, offset: int = 0) -> dict:
         return self._call("GET", "/v1/jobs", params={"state": state or [], "limit": limit, "offset": offset}).json()
 
+    def cluster(self) -> dict:
+        """The cluster as its scheduler sees it: ``policy``, ``capacity``, ``tenants`` (weight, share,
+        using, running, queued) and the ``queue`` in order (other tenants' job ids left out)."""
+        return self._call("GET", "/v1/cluster").json()
+
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 

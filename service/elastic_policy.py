@@ -10,6 +10,9 @@ Three moments ask it:
   ``elastic.min_gain`` faster than the current one (the controller starts the workers it
   needs, and asks again once they are up: ``joined``), else keep going;
 - **a wait**: too few slots for any shape: wait, then fail after ``elastic.wait_timeout_s``.
+
+On a shared cluster the cluster scheduler (service/fairshare.py) allots each job a number of
+workers (``Situation.cap``): the job never plans over more, and above it the controller shrinks.
 """
 from __future__ import annotations
 
@@ -58,10 +61,11 @@ class Situation:
     forced: bool = False                   # workers were lost or their nodes are draining
     joined: int = 0                        # of ``kept``, workers started for a growth and now up
     waited_s: float = 0.0                  # seconds already spent waiting for slots
+    cap: Optional[int] = None              # workers the cluster scheduler allots the job (None: no limit)
 
     @property
     def slots(self) -> int:
-        return self.kept + self.free
+        return self.kept + self.free if self.cap is None else min(self.cap, self.kept + self.free)
 
 
 def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
@@ -95,6 +99,17 @@ def _place(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision
     return Wait(d.reason)
 
 
+def usable_sizes(spec: JobSpec, facts: planner.LayerFacts) -> list[int]:
+    """The worker counts this job's planner uses whole (what the cluster scheduler allots)."""
+    e = spec.elastic
+    out = []
+    for n in range(e.min_workers, e.max_workers + 1):
+        d = plan(spec, facts, n)
+        if not d.wait and d.shape.workers == n:
+            out.append(n)
+    return out
+
+
 def _grow_onto_joined(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
     """Workers started for a growth are up: reshape onto them unless it no longer pays."""
     d = plan(spec, facts, sit.slots, current=sit.current)
@@ -105,6 +120,8 @@ def _grow_onto_joined(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) 
 
 def _maybe_grow(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
     """A boundary with nothing wrong: a ``Reshape`` here means "start the workers it needs"."""
+    if sit.cap is not None and sit.kept >= sit.cap:
+        return Keep("at the workers the cluster scheduler allots it")
     if sit.kept >= spec.elastic.max_workers or sit.free <= 0:
         return Keep("no free slot" if sit.free <= 0 else "at elastic.max_workers")
     d = plan(spec, facts, sit.slots, current=sit.current)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -27,12 +27,19 @@ class Settings(BaseSettings):
     tokens_file: Optional[Path] = Field(None, description="file of 'tenant:token' lines")
     max_body_bytes: int = Field(1 << 20, description="largest JSON request body")
     max_package_bytes: int = Field(100 << 20, description="largest uploaded code package")
-    max_active_jobs_per_tenant: int = Field(8, ge=1, description="PENDING, RUNNING or RESHAPING jobs per tenant")
+    max_active_jobs_per_tenant: int = Field(8, ge=1, description="QUEUED, PENDING, RUNNING or RESHAPING jobs per tenant")
     reconcile_seconds: float = Field(10.0, gt=0, description="how often jobs are checked against their actors")
     cluster_max_cpus: Optional[float] = Field(
         None, description="CPUs an autoscaler can grow the cluster to; jobs are checked against this, not only now")
     cluster_max_gpus: Optional[float] = Field(None, description="GPUs an autoscaler can grow the cluster to")
     start_timeout_s: float = Field(120.0, gt=0, description="how long a job may wait for its workers to be placed")
+    queue_policy: Literal["elastic", "fair", "fifo"] = Field(
+        "elastic", description="how the cluster is shared (service/fairshare.py): elastic (weighted fair shares, "
+                               "elastic jobs shrink and grow), fair (weighted fair shares, rigid shapes) or fifo")
+    queue_seconds: float = Field(2.0, gt=0, description="how often the cluster scheduler looks at the queue")
+    tenant_weights: str = Field("", description="'tenant:weight,...' (default 1 each); also 'tenant:token:weight' "
+                                                "in the tokens")
+    weights_file: Optional[Path] = Field(None, description="YAML or JSON mapping of tenant to weight")
     local_cpus: Optional[int] = Field(None, description="CPU slots of the local Ray this server starts")
 
     @property

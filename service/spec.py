@@ -202,6 +202,15 @@ class RestartSpec(_Strict):
                                           "when its scheduler is lost (0 = never)")
 
 
+class SchedulingSpec(_Strict):
+    priority: int = Field(0, ge=-1000, le=1000, description="orders this tenant's own queued jobs: higher first "
+                                                          "(between tenants, the weighted fair share decides)")
+    preemptible: bool = Field(False, description="the cluster scheduler may stop this job at a step boundary, after "
+                                                 "a checkpoint, to give its slots to a job the fair share says "
+                                                 "should run; it is queued again and resumes from that checkpoint. "
+                                                 "Needs checkpoint.every_steps")
+
+
 class EvalSpec(_Strict):
     every_steps: int = Field(..., ge=1, description="evaluate after every N committed steps (and after the last)")
     data: DataSpec = Field(..., description="the evaluation data, given like the job's data")
@@ -222,6 +231,7 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     restarts: RestartSpec = Field(default_factory=RestartSpec)
     elastic: ElasticSpec = Field(default_factory=ElasticSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     eval: Optional[EvalSpec] = Field(None, description="a validation loss every N steps, with the committed parameters")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")
 
@@ -237,6 +247,9 @@ class JobSpec(_Strict):
         if w > t.steps:
             raise ValueError(f"optimizer.schedule.warmup_steps ({w}) is above training.steps ({t.steps}): the rate "
                              "would never reach lr; use fewer warm-up steps")
+        if self.scheduling.preemptible and not self.checkpoint.every_steps:
+            raise ValueError("scheduling.preemptible needs checkpoints: a preempted job resumes from its newest "
+                             "checkpoint, so set checkpoint.every_steps (and checkpoint.path), or drop preemptible")
         e = self.elastic
         if e.enabled and not e.min_workers <= p.dp * p.pp <= e.max_workers:
             raise ValueError(

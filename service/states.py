@@ -5,6 +5,7 @@ import enum
 
 
 class JobState(str, enum.Enum):
+    QUEUED = "QUEUED"          # waiting for the cluster scheduler to admit it (api/cluster.py)
     PENDING = "PENDING"
     RUNNING = "RUNNING"
     RESHAPING = "RESHAPING"

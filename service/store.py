@@ -155,10 +155,11 @@ class Store:
 
     # ---------------------------------------------------------------- jobs
 
-    def create_job(self, job_id: str, tenant: str, spec: dict, idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
-        """Insert a PENDING job; returns (job, created).  With an idempotency key already
+    def create_job(self, job_id: str, tenant: str, spec: dict, idempotency_key: Optional[str] = None,
+                   state: JobState = JobState.PENDING) -> tuple[dict, bool]:
+        """Insert a job (PENDING, or QUEUED for the cluster scheduler); returns (job, created).  With an idempotency key already
         used by this tenant, returns that job and created=False."""
-        row = {"id": job_id, "tenant": tenant, "name": spec["name"], "spec": spec, "state": JobState.PENDING.value,
+        row = {"id": job_id, "tenant": tenant, "name": spec["name"], "spec": spec, "state": state.value,
                "created_at": time.time(), "step": 0, "steps": spec["training"]["steps"],
                "idempotency_key": idempotency_key}
         try:

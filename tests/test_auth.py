@@ -44,3 +44,57 @@ def test_without_tokens_everyone_is_local():
 def test_loopback():
     assert is_loopback("127.0.0.1") and is_loopback("localhost") and is_loopback("::1")
     assert not is_loopback("0.0.0.0") and not is_loopback("10.0.0.1") and not is_loopback("example.com")
+
+
+# ---------------------------------------------------------------- tenants' weights (the fair shares)
+
+def test_weights_from_tokens_env_and_file(tmp_path):
+    from service.auth import load_weights
+
+    f = tmp_path / "weights.yaml"
+    f.write_text("bob: 3\n")
+    assert load_weights(f"alice:{T1}:2, bob:{T2}", None) == {"alice": 2.0}
+    assert load_weights(f"alice:{T1}:2, bob:{T2}", None, "bob:0.5") == {"alice": 2.0, "bob": 0.5}
+    assert load_weights(f"alice:{T1}:2, bob:{T2}", None, "", f) == {"alice": 2.0, "bob": 3.0}
+    assert parse_tokens(f"alice:{T1}:2") == {T1: "alice"}  # the weight is not part of the token
+
+
+@pytest.mark.parametrize("tokens, env, message", [
+    (f"alice:{T1}:-1", "", "RELAYTRAIN_API_TOKENS: entry 1: the weight of tenant 'alice' must be a positive "
+                           "number, not '-1'"),
+    (f"alice:{T1}:lots", "", "the weight of tenant 'alice' must be a positive number, not 'lots'"),
+    (f"alice:{T1}", "alice:0", "RELAYTRAIN_TENANT_WEIGHTS: the weight of tenant 'alice' must be a positive number"),
+    (f"alice:{T1}", "alice", "RELAYTRAIN_TENANT_WEIGHTS: entry 1 is not 'tenant:weight'"),
+])
+def test_bad_weights_say_what_to_change(tokens, env, message):
+    from service.auth import load_weights
+
+    with pytest.raises(TokenError, match=message):
+        load_weights(tokens, None, env)
+
+
+def test_weights_file_naming_an_unknown_tenant(tmp_path):
+    from service.auth import load_weights
+
+    f = tmp_path / "weights.yaml"
+    f.write_text("alice: 2\nmallory: 5\n")
+    with pytest.raises(TokenError, match=r"names tenant 'mallory' that no API token belongs to \(known: alice, bob\); "
+                                         r"fix the name or add its token"):
+        load_weights(f"alice:{T1}, bob:{T2}", None, "", f)
+    f.write_text("local: 2\n")  # a server without tokens has one tenant, 'local'
+    assert load_weights("", None, "", f) == {"local": 2.0}
+    f.write_text("- alice\n")
+    with pytest.raises(TokenError, match="must map tenant names to weights"):
+        load_weights(f"alice:{T1}", None, "", f)
+
+
+def test_serve_refuses_bad_weights_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    env = {**__import__("os").environ, "RELAYTRAIN_API_TOKENS": f"alice:{T1}:-2", "RELAYTRAIN_HOME": str(tmp_path)}
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve"], capture_output=True, text=True, env=env,
+                       timeout=60)
+    assert p.returncode == 2
+    assert "relaytrain serve: RELAYTRAIN_API_TOKENS: entry 1: the weight of tenant 'alice' must be a positive" in p.stderr
+    assert "Traceback" not in p.stderr

@@ -200,3 +200,11 @@ def test_a_layer_list_is_traced_without_memory():
                              data={"kind": "chars", "args": {"context": 64}}, loss="cross_entropy"))
     t = preflight(s)  # ~1.0e9 parameters: 4 GiB were it built for real
     assert t.on_meta and sum(t.param_bytes) > 4e9 and t.metas[-1] == ((8, 64, 50304), torch.float32)
+
+
+def test_preemptible_without_checkpoints_says_to_set_them():
+    with pytest.raises(SpecError, match=r"scheduling.preemptible needs checkpoints: a preempted job resumes from its "
+                                        r"newest checkpoint, so set checkpoint.every_steps"):
+        parse_spec(spec_with(scheduling__preemptible=True))
+    ok = parse_spec(spec_with(scheduling__preemptible=True, checkpoint__every_steps=5, scheduling__priority=3))
+    assert ok.scheduling.preemptible and ok.scheduling.priority == 3

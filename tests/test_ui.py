@@ -392,3 +392,207 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
             assert errors == []
         finally:
             browser.close()
+
+
+# ---------------------------------------------------------------- the cluster scheduler's queue
+
+NEVER_FITS = 4096   # CPU slots per worker: no test cluster has them, so the jobs stay QUEUED
+
+
+def ordinal(n: int) -> str:
+    return f"{n}{'th' if 11 <= n % 100 <= 13 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+@pytest.fixture(scope="module")
+def queued_jobs(server):
+    """Three QUEUED jobs written straight into the server's store, each asking for more CPU slots
+    than the cluster has: two of alice's (the first elastic) and one of bob's.  The server's
+    cluster scheduler queues them itself (its place and reason, as GET /v1/jobs shows them).
+    Returns {name: job}; the jobs are cancelled after the module's tests."""
+    from service.settings import Settings
+    from service.spec import JobSpec
+    from service.states import JobState
+    from service.store import Store
+
+    store = Store(Settings(home=Path(server.home)).db_url)
+    made = {}
+    for name, tenant, over in [("a", "alice", {"elastic": {"enabled": True, "min_workers": 1, "max_workers": 2}}),
+                               ("b", "alice", {}), ("c", "bob", {})]:
+        spec = small_spec(f"queued-{name}", resources={"cpus_per_worker": NEVER_FITS}, **over)
+        JobSpec.model_validate(spec)  # the cluster scheduler reads it
+        job_id = f"queued-ui-{name}-{time.time_ns() % 10**9}"
+        store.create_job(job_id, tenant, spec, state=JobState.QUEUED)
+        store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
+        made[name] = (job_id, tenant)
+        time.sleep(0.01)  # distinct arrival times: a, b, c in that order
+    tokens = {"alice": ALICE, "bob": BOB}
+    try:
+        deadline = time.monotonic() + 30
+        jobs = {}
+        while time.monotonic() < deadline:  # the scheduler looks every queue_seconds (2 s)
+            for name, (job_id, tenant) in made.items():
+                with server.client(tokens[tenant]) as c:
+                    jobs[name] = c.get(f"/v1/jobs/{job_id}").json()
+            if all(j["queue"] for j in jobs.values()):
+                break
+            time.sleep(0.3)
+        assert all(j["state"] == "QUEUED" and j["queue"] for j in jobs.values()), jobs
+        yield jobs
+    finally:
+        for job_id, tenant in made.values():
+            with server.client(tokens[tenant]) as c:
+                c.post(f"/v1/jobs/{job_id}/cancel")
+
+
+def test_queue_in_the_api_and_the_cli(server, queued_jobs):
+    a, b, c = (queued_jobs[k] for k in "abc")
+    assert sorted(j["queue"]["position"] for j in (a, b, c)) == [1, 2, 3]
+    assert b["queue"]["position"] == 2 and a["queue"]["position"] == 1  # alice's in arrival order
+    assert b["queue"]["reason"].startswith(f"waiting for {2 * NEVER_FITS} CPU slots (2 workers); 1 job ahead")
+    assert a["queue"]["reason"].startswith(f"waiting for {NEVER_FITS} CPU slots (1 worker); 0 jobs ahead")
+    assert a["allotted_workers"] is None
+    with server.client() as cl:
+        view = cl.get("/v1/cluster").json()
+    assert [t["tenant"] for t in view["tenants"]] == ["alice", "bob"]
+    assert [(t["queued"], t["running"], t["using"]) for t in view["tenants"]] == [(2, 0, 0), (1, 0, 0)]
+    assert [(q["position"], q["tenant"], q["job"]) for q in view["queue"]] == \
+        [(1, "alice", a["id"]), (2, "alice", b["id"]), (3, "bob", None)]  # bob's job, unnamed
+
+    # status and list: the place and reason on the line after the status line
+    st = cli(server, "status", b["id"])
+    assert st.returncode == 0, st.stderr
+    lines = st.stdout.splitlines()
+    assert lines[0].startswith(f"{b['id']}  QUEUED     step 0/6")
+    assert lines[1] == f"  queued: 2nd, {b['queue']['reason']}"
+    ls = cli(server, "list", "--state", "QUEUED")
+    assert ls.returncode == 0, ls.stderr
+    assert f"  queued: 1st, {a['queue']['reason']}" in ls.stdout.splitlines()
+    assert c["id"] not in ls.stdout
+    assert ls.stderr.strip() == "2 of 2 jobs, 2 of them queued (relaytrain cluster shows the queue)"
+
+    # relaytrain cluster: the policy and capacity, a row per tenant, the queue in order
+    cluster = cli(server, "cluster")
+    assert cluster.returncode == 0, cluster.stderr
+    out = cluster.stdout.splitlines()
+    assert out[0] == f"policy {view['policy']}, capacity {view['capacity']:g} CPU slots, 3 jobs queued"
+    assert out[1].split() == ["TENANT", "WEIGHT", "SHARE", "USING", "RUNNING", "QUEUED"]
+    assert out[2].split() == ["alice", "1", f"{view['tenants'][0]['share']:.3g}", "0", "0", "2"]
+    assert out[3].split() == ["bob", "1", f"{view['tenants'][1]['share']:.3g}", "0", "0", "1"]
+    assert out[4] == "queue:"
+    assert out[5:] == [f"    1. alice  {a['id']}: {a['queue']['reason']}",
+                       f"    2. alice  {b['id']}: {b['queue']['reason']}",
+                       f"    3. bob  (another tenant's job): {c['queue']['reason']}"]
+    as_bob = cli(server, "cluster", token=BOB)
+    assert f"    3. bob  {c['id']}: " in as_bob.stdout and a["id"] not in as_bob.stdout
+    js = cli(server, "cluster", "--json")
+    assert js.returncode == 0 and json.loads(js.stdout)["queue"] == view["queue"]
+    bad = cli(server, "cluster", token="not-a-token")
+    assert bad.returncode == 1 and bad.stderr.startswith("relaytrain: HTTP 401")
+
+
+def test_web_page_shows_the_queue_and_the_cluster(server, queued_jobs):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE WEB PAGE WAS NOT TESTED: the playwright "
+                                   "package is missing (pip install -e '.[test]') !!!")
+    a, b = queued_jobs["a"], queued_jobs["b"]
+    with server.client() as cl:
+        view = cl.get("/v1/cluster").json()
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    with sync_api.sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(20_000)
+            errors = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.on("dialog", lambda d: d.accept())
+            page.goto(server.url + "/")
+            page.locator("#token").fill(ALICE)
+            page.locator("#login-form button").click()
+
+            # the list: a QUEUED badge in its own colour, its place and reason as the badge's tip
+            row = page.locator(f'#jobs tr[data-job-id="{b["id"]}"]')
+            row.wait_for()
+            assert row.get_attribute("data-state") == "QUEUED"
+            tag = row.locator(".badge")
+            assert tag.inner_text() == "QUEUED"
+            assert tag.get_attribute("title") == f"2nd in the queue: {b['queue']['reason']}"
+            colours = "e => [getComputedStyle(e).backgroundColor, getComputedStyle(e).color]"
+            assert tag.evaluate(colours) == [rgb("#e0f3f5"), rgb("#1d7480")]
+            others = {tuple(page.locator(f"#jobs .badge.{s}").first.evaluate(colours))
+                      for s in ("PENDING", "RUNNING", "SUCCEEDED", "CANCELLED")
+                      if page.locator(f"#jobs .badge.{s}").count()}
+            assert tuple(tag.evaluate(colours)) not in others
+
+            # the cluster panel: policy, capacity, a row per tenant, the queue's length
+            panel = page.locator("#cluster-panel")
+            page.wait_for_selector('#cluster-tenants tr[data-tenant="bob"]')
+            assert panel.is_visible() and panel.get_attribute("data-policy") == view["policy"]
+            assert page.locator("#cluster-policy").inner_text() == view["policy"]
+            assert page.locator("#cluster-capacity").inner_text() == f"{view['capacity']:g}"
+            queue = page.locator("#cluster-queue")
+            assert (queue.inner_text(), queue.get_attribute("data-length")) == ("3 jobs", "3")
+            assert f"2. {b['id']}: {b['queue']['reason']}" in queue.get_attribute("title")
+            assert "3. a job of tenant bob: " in queue.get_attribute("title")
+            cells = "r => [...r.querySelectorAll('td')].map(td => td.textContent)"
+            share = [f"{t['share']:.3g}" for t in view["tenants"]]
+            assert page.locator('#cluster-tenants tr[data-tenant="alice"]').evaluate(cells) == \
+                ["alice", "1", share[0], "0", "0", "2"]
+            assert page.locator('#cluster-tenants tr[data-tenant="bob"]').evaluate(cells) == \
+                ["bob", "1", share[1], "0", "0", "1"]
+            page.screenshot(path=str(ARTIFACTS / "ui-queue-list.png"))
+
+            # the state filter knows QUEUED: alice's two queued jobs, nothing else
+            page.locator("#state-filter").select_option("QUEUED")
+            page.wait_for_function("() => [...document.querySelectorAll('#jobs tbody tr')]"
+                                   ".every(r => r.dataset.state === 'QUEUED')")
+            page.wait_for_selector(f'#jobs tr[data-job-id="{a["id"]}"]')
+            ids = page.eval_on_selector_all("#jobs tbody tr", "rs => rs.map(r => r.dataset.jobId)")
+            assert sorted(ids) == sorted([a["id"], b["id"]])
+
+            # the job's page: the badge, its place and reason; no shape yet; it may be cancelled
+            row.locator("a").click()
+            page.wait_for_selector(f'#view-job[data-job-id="{b["id"]}"][data-state="QUEUED"]')
+            place = page.locator("#job-queue")
+            page.wait_for_selector('#job-queue[data-position="2"]')
+            assert place.is_visible()
+            assert place.inner_text() == f"2nd in the queue: {b['queue']['reason']}"
+            assert page.locator("#job-state").inner_text() == "QUEUED"
+            assert page.locator("#job-state").evaluate(colours) == [rgb("#e0f3f5"), rgb("#1d7480")]
+            assert page.locator("#job-allotted").is_hidden()  # a queued job has none
+            assert page.locator("#job-time").inner_text() == "not started"
+            assert page.locator("#shape-summary").inner_text().startswith("The job is queued")
+            assert page.locator("#live").inner_text() == "live"
+            assert page.locator("#cancel").is_enabled()
+            assert page.eval_on_selector_all("#events li", "ls => ls.map(l => l.dataset.type)") == ["submitted"]
+            page.screenshot(path=str(ARTIFACTS / "ui-queue-job.png"), full_page=True)
+
+            # an elastic job once admitted: the workers the cluster scheduler allots it, under Shape
+            # (the server would run it; here its row is rewritten on the way to the page)
+            def admitted(route):
+                job = route.fetch().json()
+                assert job["spec"]["elastic"]["enabled"]
+                route.fulfill(status=200, content_type="application/json",
+                              body=json.dumps({**job, "state": "RUNNING", "queue": None, "allotted_workers": 2,
+                                               "shape": {"dp": 2, "pp": 1, "schedule": "1f1b"}}))
+            page.route(f"**/v1/jobs/{a['id']}", admitted)
+            page.goto(server.url + f"/#/jobs/{a['id']}")
+            page.wait_for_selector(f'#view-job[data-job-id="{a["id"]}"][data-state="RUNNING"]')
+            allotted = page.locator("#job-allotted")
+            page.wait_for_selector('#job-allotted[data-workers="2"]')
+            assert allotted.is_visible() and allotted.inner_text() == "allotted 2 workers"
+            assert page.locator("#job-queue-fact").is_hidden()
+            page.unroute(f"**/v1/jobs/{a['id']}")
+
+            # cancelling a queued job takes it out of the queue
+            page.goto(server.url + f"/#/jobs/{b['id']}")
+            page.wait_for_selector(f'#view-job[data-job-id="{b["id"]}"][data-state="QUEUED"]')
+            page.locator("#cancel").click()
+            page.wait_for_selector('#view-job[data-state="CANCELLED"]')
+            assert page.locator("#job-queue-fact").is_hidden()
+            page.wait_for_function("() => document.querySelector('#cancel').disabled")
+            page.wait_for_selector('#events li[data-type="cancelled"]')
+            assert "cancelled while queued" in page.locator('#events li[data-type="cancelled"]').inner_text()
+            assert page.locator("#banner").is_hidden()
+            assert errors == []
+        finally:
+            browser.close()

@@ -4,6 +4,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
+from api.deps import ManagerDep, TenantDep
+from api.schemas import ClusterOut, ErrorOut
+
 router = APIRouter(tags=["health"])
 
 
@@ -33,3 +36,10 @@ def metrics(request: Request) -> Response:
 
     request.app.state.telemetry.refresh(request.app.state.manager.store)
     return Response(generate_latest(request.app.state.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+@router.get("/v1/cluster", response_model=ClusterOut, tags=["cluster"], responses={401: {"model": ErrorOut}})
+def cluster(manager: ManagerDep, tenant: TenantDep) -> ClusterOut:
+    """The shared cluster as its scheduler sees it: capacity, each tenant's weight, share and
+    use, and the queue in order (other tenants' job ids left out)."""
+    return ClusterOut(**manager.cluster.view(tenant))

@@ -21,7 +21,8 @@ ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}}
                         401: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}})
 def submit_job(spec: JobSpec, manager: ManagerDep, tenant: TenantDep, response: Response,
                idempotency_key: Annotated[Optional[str], Header(max_length=255)] = None) -> JobOut:
-    """Submit a job spec; it starts at once on the cluster. A retried POST with the same
+    """Submit a job spec; it starts at once when the cluster scheduler admits it, else it is
+    QUEUED with its place and reason (GET /v1/cluster shows the queue). A retried POST with the same
     Idempotency-Key returns the first job (200) instead of starting a second."""
     job, created = manager.submit(tenant, spec, idempotency_key)
     if not created:

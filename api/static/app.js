@@ -5,7 +5,7 @@
 
 const TOKEN_KEY = "relaytrain.token";
 const SVG_NS = "http://www.w3.org/2000/svg";
-const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);
+const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);  // QUEUED is active: it may be cancelled
 const POLL_MS = { list: 2000, active: 1500, ended: 15000 };
 
 const $ = (sel, root = document) => root.querySelector(sel);
@@ -109,6 +109,20 @@ function shapeText(shape) {
 
 function badge(state) { return el("span", { class: "badge " + state, "data-state": state, text: state }); }
 
+// 1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, ..., 21st
+function ordinal(n) {
+  const tens = n % 100, ones = n % 10;
+  const suffix = tens >= 11 && tens <= 13 ? "th" : ones === 1 ? "st" : ones === 2 ? "nd" : ones === 3 ? "rd" : "th";
+  return `${n}${suffix}`;
+}
+
+// a QUEUED job's place in the cluster scheduler's queue and what it waits for
+function queueText(job) {
+  const q = job.queue;
+  if (q && q.position != null) return `${ordinal(q.position)} in the queue: ${q.reason}`;
+  return "queued: waiting for the cluster scheduler to look at it";
+}
+
 function progressCell(job) {
   const bar = el("div", { class: "progress-bar" });
   bar.style.width = `${job.steps ? (100 * job.step) / job.steps : 0}%`;
@@ -183,15 +197,17 @@ $("#state-filter").addEventListener("change", () => { if (view && view.kind === 
 async function refreshList(gen) {
   try {
     const state = $("#state-filter").value;
-    const page = await api(`/v1/jobs?limit=200${state ? "&state=" + state : ""}`);
+    const [page, cluster] = await Promise.all([api(`/v1/jobs?limit=200${state ? "&state=" + state : ""}`),
+                                               api("/v1/cluster").catch((e) => e)]);
     if (gen !== generation) return;
+    drawCluster(cluster instanceof Error ? null : cluster);
     showBanner("");
     const body = $("#jobs tbody");
     body.replaceChildren(...page.items.map((job) => {
       const link = el("a", { href: `#/jobs/${encodeURIComponent(job.id)}`, class: "name", text: job.name });
       const row = el("tr", { class: "clickable", "data-job-id": job.id, "data-state": job.state },
         el("td", { class: "job-cell" }, link, el("div", { class: "id mono", text: job.id })),
-        el("td", {}, badge(job.state)),
+        el("td", {}, job.state === "QUEUED" ? Object.assign(badge(job.state), { title: queueText(job) }) : badge(job.state)),
         el("td", { text: shapeText(job.shape) }),
         el("td", {}, progressCell(job)),
         el("td", { class: "num", text: fmtNum(job.loss) }),
@@ -208,6 +224,35 @@ async function refreshList(gen) {
     if (gen === generation) showBanner(`Could not load the jobs: ${e.message}`);
   }
   if (gen === generation) schedule(() => refreshList(gen), POLL_MS.list);
+}
+
+// The cluster panel (GET /v1/cluster): the scheduler's policy and capacity, each tenant's
+// weight, fair share and use, and how many jobs wait.  Hidden when the server does not say.
+function drawCluster(c) {
+  const panel = $("#cluster-panel");
+  panel.hidden = !c;
+  if (!c) return;
+  const tenants = c.tenants || [], queue = c.queue || [];
+  panel.dataset.policy = c.policy;
+  $("#cluster-policy").textContent = c.policy;
+  $("#cluster-capacity").textContent = fmtNum(c.capacity, 3);
+  const waiting = $("#cluster-queue");
+  waiting.textContent = queue.length ? `${queue.length} job${queue.length === 1 ? "" : "s"}` : "empty";
+  waiting.dataset.length = String(queue.length);
+  waiting.title = queue.map((q) => `${q.position}. ${q.job || `a job of tenant ${q.tenant}`}: ${q.reason}`).join("\n");
+  $("#cluster-tenants").hidden = !tenants.length;
+  $("#cluster-idle").hidden = tenants.length > 0;
+  $("#cluster-tenants tbody").replaceChildren(...tenants.map((t) => {
+    const over = t.using > t.share + 1e-9;
+    return el("tr", { "data-tenant": t.tenant, class: over ? "over" : "" },
+      el("td", { class: "mono", text: t.tenant }),
+      el("td", { class: "num", text: fmtNum(t.weight, 3) }),
+      el("td", { class: "num", text: fmtNum(t.share, 3) }),
+      el("td", { class: "num using", text: fmtNum(t.using, 3),
+                 title: over ? "above its weighted share: elastic jobs may shrink when others wait" : "" }),
+      el("td", { class: "num", text: String(t.running) }),
+      el("td", { class: "num", text: String(t.queued) }));
+  }));
 }
 
 // ------------------------------------------------------------------ a job's page
@@ -273,12 +318,30 @@ function drawJobHead(job) {
   $("#job-shape").textContent = shapeText(job.shape);
   const end = job.ended_at || Date.now() / 1000;
   $("#job-time").textContent = job.started_at ? fmtDuration(end - job.started_at) : "not started";
+  drawQueue(job);
   drawDurability(job);
   $("#job-error").hidden = !job.error;
   $("#job-error").textContent = job.error || "";
   const cancel = $("#cancel");
   if (!cancel.dataset.busy) cancel.disabled = TERMINAL.has(job.state);
   document.title = `${job.name} · ${job.state} · relaytrain`;
+}
+
+// A queued job's place and reason; an elastic job's allotment from the cluster scheduler.
+function drawQueue(job) {
+  const queued = job.state === "QUEUED";
+  $("#job-queue-fact").hidden = !queued;
+  const place = $("#job-queue");
+  place.textContent = queued ? queueText(job) : "";
+  if (queued && job.queue) place.dataset.position = String(job.queue.position);
+  else delete place.dataset.position;
+  const elastic = Boolean(((job.spec || {}).elastic || {}).enabled);
+  const allotted = $("#job-allotted");
+  const shown = elastic && job.allotted_workers != null && !TERMINAL.has(job.state);
+  allotted.hidden = !shown;
+  allotted.textContent = shown ? `allotted ${job.allotted_workers} worker${job.allotted_workers === 1 ? "" : "s"}` : "";
+  if (shown) allotted.dataset.workers = String(job.allotted_workers);
+  else delete allotted.dataset.workers;
 }
 
 // a long path's end (what names the job and the step), cut at a "/" where it can be: "…/job/step-00000040"
@@ -374,6 +437,7 @@ function drawShape(job) {
   $("#shape").hidden = shape.dp == null;
   if (shape.dp == null) {
     $("#shape-summary").textContent = TERMINAL.has(job.state) ? "The job ended before its workers were placed."
+      : job.state === "QUEUED" ? "The job is queued: its workers are placed once the cluster scheduler admits it."
       : "The job has no shape yet (its workers are being placed).";
     body.replaceChildren();
     return;
@@ -663,7 +727,8 @@ function lineChart(box, rows, key, { color, fmt, reshapes = [], skipped = [], id
 $("#cancel").addEventListener("click", async () => {
   const v = view;
   if (!v || v.kind !== "job" || !v.job) return;
-  if (!confirm(`Cancel job ${v.job.id}? It stops at its next step boundary.`)) return;
+  const how = v.job.state === "QUEUED" ? "It leaves the queue." : "It stops at its next step boundary.";
+  if (!confirm(`Cancel job ${v.job.id}? ${how}`)) return;
   const button = $("#cancel");
   button.disabled = true;
   button.dataset.busy = "1";

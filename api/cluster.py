@@ -1,0 +1,169 @@
+"""ClusterScheduler: the one decision-maker over the shared cluster.  It owns admission and every
+job's allotment of workers: the policy (service/fairshare.py, pure) decides from the jobs in the
+store, the cluster's capacity and the tenants' weights; this carries the decisions out.
+
+- a queued job the policy admits goes QUEUED -> PENDING and its scheduler actor is started
+  (``launch``), allotted its workers; a preempted one resumes from its newest checkpoint;
+- a running elastic job is told its allotment (``JobScheduler.set_allocation``): above it the
+  job shrinks at its next step boundary (the reshape that exists: state moved, no step lost),
+  below it the job may grow;
+- a preemptible job the policy preempts is asked to stop after a checkpoint
+  (``JobScheduler.preempt``); it goes back to QUEUED itself.
+
+Each decision is an event on the job it touches (``queued``, ``admitted``, ``shrink``,
+``grow``, ``preempt``).  The queue is the jobs in state QUEUED in the store, so it outlives
+this process: a restarted control plane sends every running job its allotment again.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Callable, Optional
+
+from actors import launch
+from service import fairshare
+from service.settings import Settings
+from service.spec import JobSpec
+from service.states import JobState
+from service.store import Store
+
+log = logging.getLogger("relaytrain.cluster")
+
+ACTIVE = [s.value for s in JobState if not s.is_terminal]
+PREEMPT_AGAIN_S = 60.0   # a preemption that did not happen (its checkpoint failed) is asked again after this
+
+
+def demand(job: dict, workers: int) -> fairshare.JobDemand:
+    """What the policy needs of one job (``workers``: what it holds now; 0 when queued)."""
+    spec = JobSpec.model_validate(job["spec"])
+    p, e = spec.parallelism, spec.elastic
+    size = p.dp * p.pp
+    lo, hi = (e.min_workers, e.max_workers) if e.enabled else (size, size)
+    usable = (job.get("shape") or {}).get("usable_workers")
+    return fairshare.JobDemand(
+        id=job["id"], tenant=job["tenant"], order=job["created_at"], min_workers=lo, max_workers=hi,
+        preferred=size, per_worker=spec.resources.cpus_per_worker, priority=spec.scheduling.priority,
+        preemptible=spec.scheduling.preemptible, running=workers, sizes=tuple(usable) if usable else None)
+
+
+class ClusterScheduler:
+    def __init__(self, settings: Settings, store: Store, weights: dict[str, float],
+                 admit: Callable[[dict, int, bool], None]):
+        """``admit(job, workers, resume)`` starts an admitted job's scheduler (api/jobs.py)."""
+        self.settings, self.store, self.weights, self.admit = settings, store, dict(weights), admit
+        self.policy = settings.queue_policy
+        self._lock = threading.Lock()
+        self.queue: dict[str, fairshare.Allocation] = {}   # queued job -> its place and reason
+        self.allotted: dict[str, int] = {}                 # admitted job -> workers last allotted to it
+        self.preempting: dict[str, float] = {}             # job -> when it was asked to give its slots back
+        self.capacity = 0.0
+
+    # ---------------------------------------------------------------- the cluster
+
+    def measure_capacity(self) -> float:
+        """CPU slots for jobs: the live cluster's, or the autoscaler's ceiling when higher."""
+        import ray
+
+        cpus = float(ray.cluster_resources().get("CPU", 0))
+        if self.settings.cluster_max_cpus is not None:
+            cpus = max(cpus, self.settings.cluster_max_cpus)
+        return cpus
+
+    def holding(self, job: dict) -> int:
+        """Workers a job holds (or is starting) now."""
+        if job["state"] == JobState.QUEUED.value:
+            return 0
+        shape = job.get("shape") or {}
+        if shape.get("dp"):
+            return int(shape["dp"]) * int(shape["pp"])
+        if job["id"] in self.allotted:
+            return self.allotted[job["id"]]
+        spec = JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed yet
+        return spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
+
+    # ---------------------------------------------------------------- one pass
+
+    def tick(self, fresh: Optional[str] = None) -> dict[str, fairshare.Allocation]:
+        """Decide and act once; ``fresh``: a job just submitted (its ``queued`` event is written
+        here when it must wait)."""
+        with self._lock:
+            jobs, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
+            self.capacity = self.measure_capacity()
+            demands = [demand(j, self.holding(j)) for j in jobs]
+            decisions = fairshare.allocate(self.capacity, demands, self.weights, self.policy)
+            self.queue = {k: a for k, a in decisions.items() if a.workers == 0 and a.action == "queue"}
+            for job in sorted(jobs, key=lambda j: j["created_at"]):
+                try:
+                    self._act(job, decisions[job["id"]], fresh == job["id"])
+                except Exception as e:  # one job's trouble must not stop the others' decisions
+                    log.warning("cluster scheduler: job %s: %s: %s", job["id"], type(e).__name__, e)
+            gone = set(self.allotted) - {j["id"] for j in jobs}
+            for k in gone:
+                self.allotted.pop(k, None)
+                self.preempting.pop(k, None)
+            return decisions
+
+    def _act(self, job: dict, a: fairshare.Allocation, fresh: bool) -> None:
+        job_id = job["id"]
+        if a.action == "queue":
+            if fresh:
+                self.store.add_events(job_id, [{"type": "queued", "message": f"queued: {a.reason}",
+                                                "position": a.position}])
+            return
+        if a.action == "admit":
+            resumes = bool(self.store.events_of(job_id, ["preempted"]))
+            if not self.store.set_state(job_id, JobState.PENDING):
+                return  # cancelled meanwhile
+            self.allotted[job_id] = a.workers
+            self.preempting.pop(job_id, None)
+            self.store.add_events(job_id, [{"type": "admitted", "message": a.reason, "workers": a.workers}])
+            self.admit(job, a.workers, resumes)
+            return
+        if a.action == "preempt":
+            if time.monotonic() - self.preempting.get(job_id, -1e9) < PREEMPT_AGAIN_S:
+                return
+            sched = launch.find_scheduler(job_id)
+            if sched is not None:
+                sched.preempt.remote(a.reason)
+                self.preempting[job_id] = time.monotonic()
+                self.store.add_events(job_id, [{"type": "preempt", "message": a.reason}])
+            return
+        spec = JobSpec.model_validate(job["spec"])
+        if not spec.elastic.enabled or self.allotted.get(job_id) == a.workers:
+            return
+        sched = launch.find_scheduler(job_id)
+        if sched is None:
+            return  # still starting (it was given its allotment) or lost (reconcile's business)
+        import ray
+
+        changed = ray.get(sched.set_allocation.remote(a.workers, a.reason), timeout=10)
+        self.allotted[job_id] = a.workers
+        if changed and a.action in ("shrink", "grow"):
+            self.store.add_events(job_id, [{"type": a.action, "message": a.reason, "workers": a.workers}])
+
+    # ---------------------------------------------------------------- what clients see
+
+    def queued(self, job_id: str) -> Optional[dict]:
+        a = self.queue.get(job_id)
+        return {"position": a.position, "reason": a.reason} if a else None
+
+    def view(self, tenant: str) -> dict:
+        """The cluster as the policy sees it: capacity, each tenant's weight, share and use,
+        and the queue (other tenants' jobs without their names)."""
+        jobs, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
+        tenants: dict[str, dict] = {}
+        for j in jobs:
+            t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
+                                                 "using": 0.0, "running": 0, "queued": 0})
+            d = demand(j, self.holding(j))
+            t["using"] += d.running * d.per_worker
+            t["queued" if j["state"] == JobState.QUEUED.value else "running"] += 1
+        total_w = sum(t["weight"] for t in tenants.values()) or 1.0
+        for t in tenants.values():
+            t["share"] = round(self.capacity * t["weight"] / total_w, 3)
+        queue = sorted(({"position": a.position, "reason": a.reason, "tenant": j["tenant"],
+                         "job": j["id"] if j["tenant"] == tenant else None}
+                        for j in jobs for a in [self.queue.get(j["id"])] if a), key=lambda q: q["position"])
+        return {"policy": self.policy, "capacity": self.capacity, "tenants": sorted(tenants.values(),
+                key=lambda t: t["tenant"]), "queue": queue}

@@ -1,0 +1,160 @@
+"""The cluster's sharing policy (service/fairshare.py) as tables: no Ray."""
+from __future__ import annotations
+
+import pytest
+
+from service.fairshare import JobDemand, allocate
+
+
+def job(id, tenant="a", order=0, lo=1, hi=None, running=0, **kw) -> JobDemand:
+    """A job of ``lo`` workers (fixed), or elastic from ``lo`` to ``hi``."""
+    return JobDemand(id=id, tenant=tenant, order=order, min_workers=lo, max_workers=hi or lo, running=running, **kw)
+
+
+def table(capacity, jobs, weights=None, policy="elastic") -> dict:
+    """job -> (workers, action)."""
+    return {k: (a.workers, a.action) for k, a in allocate(capacity, jobs, weights, policy).items()}
+
+
+# ---------------------------------------------------------------- admission and the queue
+
+@pytest.mark.parametrize("policy", ["fifo", "fair", "elastic"])
+def test_a_job_that_does_not_fit_is_queued_with_its_place_and_reason(policy):
+    got = allocate(2, [job("a1", lo=2, running=2), job("b1", "b", order=1, lo=2), job("b2", "b", order=2, lo=1)],
+                   policy=policy)
+    assert (got["a1"].workers, got["a1"].action) == (2, "keep")
+    assert (got["b1"].workers, got["b1"].action, got["b1"].position) == (0, "queue", 1)
+    assert got["b1"].reason.startswith("waiting for 2 CPU slots (2 workers); 0 jobs ahead")
+    assert (got["b2"].action, got["b2"].position) == ("queue", 2)
+    assert "1 job ahead" in got["b2"].reason
+
+
+def test_the_second_job_is_admitted_when_the_first_ends():
+    assert table(2, [job("b1", "b", order=1, lo=2)]) == {"b1": (2, "admit")}
+
+
+def test_fifo_admits_in_arrival_order_and_nothing_passes_the_head():
+    jobs = [job("a1", lo=3, running=3), job("a2", order=1, lo=2), job("b1", "b", order=2, lo=1)]
+    assert table(4, jobs, policy="fifo") == {"a1": (3, "keep"), "a2": (0, "queue"), "b1": (0, "queue")}
+
+
+def test_fair_admits_the_tenant_furthest_below_its_share_first():
+    jobs = [job("a1", lo=2, running=2), job("a2", order=1, lo=2), job("b1", "b", order=2, lo=2)]
+    assert table(4, jobs, policy="fair") == {"a1": (2, "keep"), "a2": (0, "queue"), "b1": (2, "admit")}
+    # FIFO would have admitted a2, the earlier job
+    assert table(4, jobs, policy="fifo")["a2"] == (2, "admit")
+
+
+def test_priority_orders_a_tenants_own_jobs_only():
+    jobs = [job("a1", order=0, lo=2), job("a2", order=1, lo=2, priority=5), job("b1", "b", order=2, lo=2)]
+    got = table(4, jobs, policy="fair")
+    assert got == {"a1": (0, "queue"), "a2": (2, "admit"), "b1": (2, "admit")}
+
+
+def test_fifo_within_a_tenant_a_small_later_job_does_not_pass_the_head():
+    jobs = [job("a0", lo=2, running=2), job("a1", order=1, lo=3), job("a2", order=2, lo=1)]
+    assert table(4, jobs, policy="fair") == {"a0": (2, "keep"), "a1": (0, "queue"), "a2": (0, "queue")}
+
+
+# ---------------------------------------------------------------- weighted shares
+
+@pytest.mark.parametrize("weights,expect", [
+    ({}, (3, 3)),
+    ({"a": 2}, (4, 2)),
+    ({"a": 1, "b": 5}, (1, 5)),
+])
+def test_elastic_jobs_split_the_slots_by_weight(weights, expect):
+    jobs = [job("a1", "a", 0, 1, 6), job("b1", "b", 1, 1, 6)]
+    got = table(6, jobs, weights)
+    assert (got["a1"][0], got["b1"][0]) == expect
+
+
+def test_a_tenant_without_work_leaves_its_share_to_the_others():
+    got = table(6, [job("a1", "a", 0, 1, 6)], {"a": 1, "b": 5})
+    assert got == {"a1": (6, "admit")}
+
+
+def test_max_min_a_tenant_that_wants_less_than_its_share_gets_what_it_wants():
+    jobs = [job("a1", "a", 0, 1, 1), job("b1", "b", 1, 1, 8)]
+    assert table(6, jobs) == {"a1": (1, "admit"), "b1": (5, "admit")}
+
+
+def test_growth_follows_usable_sizes():
+    jobs = [job("a1", "a", 0, 1, 8, sizes=(1, 2, 4, 8)), job("b1", "b", 1, 1, 1)]
+    assert table(6, jobs)["a1"] == (4, "admit")  # 5 would be free, but 4 is the largest shape it uses
+
+
+def test_cpus_per_worker_count_as_slots():
+    jobs = [job("a1", "a", 0, 1, 4, per_worker=2.0), job("b1", "b", 1, 1, 8)]
+    got = table(8, jobs)
+    assert got["a1"][0] * 2.0 == got["b1"][0] == 4
+
+
+# ---------------------------------------------------------------- elastic jobs give way and take back
+
+def test_an_elastic_job_shrinks_to_admit_another_tenants_job():
+    got = allocate(4, [job("a1", "a", 0, 1, 4, running=4), job("b1", "b", 1, 2)])
+    assert (got["a1"].workers, got["a1"].action) == (2, "shrink")
+    assert got["a1"].reason == "shrink from 4 to 2 workers to give 2 slots to job b1 of tenant b"
+    assert (got["b1"].workers, got["b1"].action) == (2, "admit")
+
+
+def test_an_elastic_job_grows_back_when_slots_free_up():
+    got = allocate(4, [job("a1", "a", 0, 1, 4, running=2)])
+    assert (got["a1"].workers, got["a1"].action) == (4, "grow")
+    assert got["a1"].reason.startswith("may grow from 2 to 4 workers")
+
+
+def test_nothing_goes_below_min_workers():
+    got = table(4, [job("a1", "a", 0, 3, 4, running=4), job("b1", "b", 1, 2)])
+    assert got == {"a1": (4, "keep"), "b1": (0, "queue")}  # shrinking to 3 frees 1: not enough
+
+
+def test_fixed_jobs_are_never_reshaped():
+    got = table(4, [job("a1", "a", 0, 4, running=4), job("b1", "b", 1, 1, 4)])
+    assert got == {"a1": (4, "keep"), "b1": (0, "queue")}
+
+
+def test_rigid_fair_does_not_shrink_elastic_jobs():
+    got = table(4, [job("a1", "a", 0, 1, 4, running=4), job("b1", "b", 1, 2)], policy="fair")
+    assert got == {"a1": (4, "keep"), "b1": (0, "queue")}
+
+
+def test_rigid_policies_give_an_elastic_job_its_preferred_shape():
+    got = table(8, [job("a1", "a", 0, 1, 8, preferred=2)], policy="fair")
+    assert got == {"a1": (2, "admit")}
+
+
+# ---------------------------------------------------------------- preemption
+
+def test_a_fixed_job_is_preempted_only_when_it_allows_it():
+    jobs = [job("a1", "a", 0, 4, running=4, preemptible=True), job("b1", "b", 1, 2)]
+    got = allocate(4, jobs)
+    assert (got["a1"].workers, got["a1"].action) == (0, "preempt")
+    assert "back in the queue" in got["a1"].reason and "job b1 of tenant b" in got["a1"].reason
+    assert (got["b1"].workers, got["b1"].action) == (2, "admit")
+    not_allowed = [job("a1", "a", 0, 4, running=4), job("b1", "b", 1, 2)]
+    assert table(4, not_allowed)["a1"] == (4, "keep")
+
+
+def test_preemption_within_a_tenant_needs_a_higher_priority():
+    low = [job("a1", "a", 0, 4, running=4, preemptible=True), job("a2", "a", 1, 2)]
+    assert table(4, low)["a1"] == (4, "keep")
+    high = [job("a1", "a", 0, 4, running=4, preemptible=True), job("a2", "a", 1, 2, priority=1)]
+    assert table(4, high) == {"a1": (0, "preempt"), "a2": (2, "admit")}
+
+
+def test_preemption_never_swaps_back_and_forth():
+    """After b1 took a1's slots, a1 (now queued) may not take them back."""
+    after = [job("a1", "a", 0, 4, preemptible=True), job("b1", "b", 1, 2, running=2, preemptible=True)]
+    assert table(4, after) == {"a1": (0, "queue"), "b1": (2, "keep")}
+
+
+def test_fifo_never_preempts():
+    jobs = [job("a1", "a", 0, 4, running=4, preemptible=True), job("b1", "b", 1, 2)]
+    assert table(4, jobs, policy="fifo") == {"a1": (4, "keep"), "b1": (0, "queue")}
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="unknown queue policy 'lifo'; one of fifo, fair, elastic"):
+        allocate(4, [], policy="lifo")
