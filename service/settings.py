@@ -27,7 +27,7 @@ class Settings(BaseSettings):
     tokens_file: Optional[Path] = Field(None, description="file of 'tenant:token' lines")
     max_body_bytes: int = Field(1 << 20, description="largest JSON request body")
     max_package_bytes: int = Field(100 << 20, description="largest uploaded code package")
-    max_active_jobs_per_tenant: int = Field(8, ge=1, description="QUEUED, PENDING, RUNNING or RESHAPING jobs per tenant")
+    max_active_jobs_per_tenant: int = Field(32, ge=1, description="QUEUED, PENDING, RUNNING or RESHAPING jobs per tenant")
     reconcile_seconds: float = Field(10.0, gt=0, description="how often jobs are checked against their actors")
     cluster_max_cpus: Optional[float] = Field(
         None, description="CPUs an autoscaler can grow the cluster to; jobs are checked against this, not only now")

@@ -30,6 +30,27 @@ def restart_session_ray():
     return ray
 
 
+def simulated_cluster(nodes: int = 0):
+    """A generator for a module's fixture: a ray.cluster_utils.Cluster (a head with no CPUs and
+    ``nodes`` 1-CPU nodes) in place of the session's local Ray, which comes back after."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    was_up = ray.is_initialized()
+    if was_up:
+        ray.shutdown()
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(nodes):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    if was_up:
+        restart_session_ray()
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray

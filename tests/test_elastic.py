@@ -19,7 +19,7 @@ from service import names
 from actors.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
-from tests.conftest import FIXTURES
+from tests.conftest import FIXTURES, simulated_cluster
 from tests.test_engine import assert_same_params
 
 STEPS = 40
@@ -60,23 +60,9 @@ def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float
 
 
 @pytest.fixture(scope="module")
-def cluster(request):
+def cluster():
     """One simulated cluster for the module; each test starts with WORKERS alive 1-CPU nodes."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from tests.conftest import restart_session_ray
-
-    was_up = ray.is_initialized()
-    if was_up:
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    if was_up:
-        restart_session_ray()
+    yield from simulated_cluster()
 
 
 def with_nodes(cluster, n):

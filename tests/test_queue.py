@@ -13,6 +13,7 @@ import torch
 
 from service.spec import parse_spec
 from tests import reference
+from tests.conftest import simulated_cluster
 from tests.test_api import BOB, Server, wait_state
 from tests.test_durable import until
 from tests.test_engine import assert_same_params
@@ -30,24 +31,7 @@ def spec_dict(name: str, steps: int, dp: int = 1, pp: int = 2, **over) -> dict:
 @pytest.fixture(scope="module")
 def cluster():
     """Two 1-CPU nodes (tests add more) for this module."""
-    import ray
-    from ray.cluster_utils import Cluster
-
-    from tests.conftest import restart_session_ray
-
-    was_up = ray.is_initialized()
-    if was_up:
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
-    for _ in range(2):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    if was_up:
-        restart_session_ray()
+    yield from simulated_cluster(2)
 
 
 def serve(cluster, home, **env) -> Server:

@@ -118,6 +118,19 @@ def launch_chromium(p):
     return p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
 
 
+def signed_in_page(browser, url: str, timeout_ms: int = 20_000):
+    """A page of ``url`` signed in as alice, and the list its script errors go into (dialogs accepted)."""
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page.set_default_timeout(timeout_ms)
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.on("dialog", lambda d: d.accept())
+    page.goto(url)
+    page.locator("#token").fill(ALICE)
+    page.locator("#login-form button").click()
+    return page, errors
+
+
 def test_web_page_shows_the_job_and_cancels_it(server, job):
     sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE WEB PAGE WAS NOT TESTED: the playwright "
                                    "package is missing (pip install -e '.[test]') !!!")
@@ -125,15 +138,8 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(60_000)
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("dialog", lambda d: d.accept())
-            page.goto(server.url + "/")
             # the token is asked for once and kept in the tab's session
-            page.locator("#token").fill(ALICE)
-            page.locator("#login-form button").click()
+            page, errors = signed_in_page(browser, server.url + "/", 60_000)
             row = page.locator(f'#jobs tr[data-job-id="{job}"]')
             row.wait_for()
             assert row.get_attribute("data-state") in ("RUNNING", "RESHAPING")
@@ -294,13 +300,7 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(20_000)
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(server.url + f"/#/jobs/{job_id}")
-            page.locator("#token").fill(ALICE)
-            page.locator("#login-form button").click()
+            page, errors = signed_in_page(browser, server.url + f"/#/jobs/{job_id}")
             page.wait_for_selector(f'#view-job[data-job-id="{job_id}"][data-state="SUCCEEDED"]')
             page.wait_for_selector("#loss-curve svg")
             page.wait_for_selector('#swimlane svg[data-step="8"]')
@@ -500,14 +500,7 @@ def test_web_page_shows_the_queue_and_the_cluster(server, queued_jobs):
     with sync_api.sync_playwright() as p:
         browser = launch_chromium(p)
         try:
-            page = browser.new_page(viewport={"width": 1280, "height": 900})
-            page.set_default_timeout(20_000)
-            errors = []
-            page.on("pageerror", lambda e: errors.append(str(e)))
-            page.on("dialog", lambda d: d.accept())
-            page.goto(server.url + "/")
-            page.locator("#token").fill(ALICE)
-            page.locator("#login-form button").click()
+            page, errors = signed_in_page(browser, server.url + "/")
 
             # the list: a QUEUED badge in its own colour, its place and reason as the badge's tip
             row = page.locator(f'#jobs tr[data-job-id="{b["id"]}"]')
