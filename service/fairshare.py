@@ -18,8 +18,8 @@ Three policies (``RELAYTRAIN_QUEUE_POLICY``):
 
 In ``fair`` and ``elastic``, a queued job that still does not fit may preempt running jobs
 whose spec says ``scheduling.preemptible``: those of its own tenant with a lower priority, or
-those of a tenant that would stay above the queued job's tenant in ``used / weight`` after the
-swap (so two jobs never take the slots back and forth).  A fixed job that is not preemptible is
+those of a tenant that, without them, still uses more per weight than the queued job's tenant
+does now (the swap raises the poorer tenant's lot, and can never be undone by the victim).  A fixed job that is not preemptible is
 never touched; no job is ever below ``elastic.min_workers``.
 """
 from __future__ import annotations
@@ -194,7 +194,7 @@ def _preempt(p: _Plan, elastic: bool) -> None:
         if p.fits(units):
             continue                     # it fits, yet the fair pass left it queued: not for lack of room
         victims = sorted((j for j in p.jobs.values() if j.running and j.preemptible and p.alloc[j.id] > 0
-                          and j.id not in p.preempted and _may_preempt(p, q, j, units)),
+                          and j.id not in p.preempted and _may_preempt(p, q, j)),
                          key=lambda j: (j.priority, -j.order))
         take, freed = [], p.free
         for v in victims:
@@ -210,10 +210,14 @@ def _preempt(p: _Plan, elastic: bool) -> None:
         p.alloc[q.id] = size
 
 
-def _may_preempt(p: _Plan, q: JobDemand, v: JobDemand, units: float) -> bool:
+def _may_preempt(p: _Plan, q: JobDemand, v: JobDemand) -> bool:
+    """Within a tenant, a lower priority gives way.  Between tenants, only a swap that raises
+    the poorer tenant's lot (max-min): the victim's tenant, without the victim, must still use
+    more per weight than the queued job's tenant does now.  So a tenant is never emptied for a
+    smaller one, and the victim can never take the slots back."""
     if v.tenant == q.tenant:
         return v.priority < q.priority
-    return p.norm(v.tenant) > p.norm(q.tenant, units)
+    return p.norm(v.tenant, -p.alloc[v.id] * v.per_worker) > p.norm(q.tenant)
 
 
 # ---------------------------------------------------------------- reasons

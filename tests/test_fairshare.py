@@ -128,13 +128,22 @@ def test_rigid_policies_give_an_elastic_job_its_preferred_shape():
 # ---------------------------------------------------------------- preemption
 
 def test_a_fixed_job_is_preempted_only_when_it_allows_it():
-    jobs = [job("a1", "a", 0, 4, running=4, preemptible=True), job("b1", "b", 1, 2)]
+    jobs = [job("a1", "a", 0, 2, running=2, preemptible=True), job("a2", "a", 1, 2, running=2, preemptible=True),
+            job("b1", "b", 2, 2)]
     got = allocate(4, jobs)
-    assert (got["a1"].workers, got["a1"].action) == (0, "preempt")
-    assert "back in the queue" in got["a1"].reason and "job b1 of tenant b" in got["a1"].reason
-    assert (got["b1"].workers, got["b1"].action) == (2, "admit")
-    not_allowed = [job("a1", "a", 0, 4, running=4), job("b1", "b", 1, 2)]
-    assert table(4, not_allowed)["a1"] == (4, "keep")
+    assert (got["a2"].workers, got["a2"].action) == (0, "preempt")  # the newer of two equal victims
+    assert got["a2"].reason.startswith("preempted: its 2 slots go to job b1 of tenant b; back in the queue")
+    assert (got["a1"].workers, got["b1"].workers, got["b1"].action) == (2, 2, "admit")
+    not_allowed = [job("a1", "a", 0, 2, running=2), job("a2", "a", 1, 2, running=2), job("b1", "b", 2, 2)]
+    assert table(4, not_allowed)["a2"] == (2, "keep")
+
+
+def test_a_tenant_is_never_emptied_for_a_poorer_one():
+    """Preempting a's only job for b's would leave a with nothing and 2 slots idle: no better."""
+    jobs = [job("a1", "a", 0, 4, running=4, preemptible=True), job("b1", "b", 1, 2)]
+    assert table(4, jobs) == {"a1": (4, "keep"), "b1": (0, "queue")}
+    # whatever the weights: without a1, tenant a would use nothing
+    assert table(4, jobs, {"b": 4})["a1"] == (4, "keep")
 
 
 def test_preemption_within_a_tenant_needs_a_higher_priority():
@@ -145,14 +154,16 @@ def test_preemption_within_a_tenant_needs_a_higher_priority():
 
 
 def test_preemption_never_swaps_back_and_forth():
-    """After b1 took a1's slots, a1 (now queued) may not take them back."""
-    after = [job("a1", "a", 0, 4, preemptible=True), job("b1", "b", 1, 2, running=2, preemptible=True)]
-    assert table(4, after) == {"a1": (0, "queue"), "b1": (2, "keep")}
+    """After b1 took a2's slots, a2 (now queued) may not take them back."""
+    after = [job("a1", "a", 0, 2, running=2, preemptible=True), job("a2", "a", 1, 2, preemptible=True),
+             job("b1", "b", 2, 2, running=2, preemptible=True)]
+    assert table(4, after) == {"a1": (2, "keep"), "a2": (0, "queue"), "b1": (2, "keep")}
 
 
 def test_fifo_never_preempts():
-    jobs = [job("a1", "a", 0, 4, running=4, preemptible=True), job("b1", "b", 1, 2)]
-    assert table(4, jobs, policy="fifo") == {"a1": (4, "keep"), "b1": (0, "queue")}
+    jobs = [job("a1", "a", 0, 2, running=2, preemptible=True), job("a2", "a", 1, 2, running=2, preemptible=True),
+            job("b1", "b", 2, 2)]
+    assert table(4, jobs, policy="fifo") == {"a1": (2, "keep"), "a2": (2, "keep"), "b1": (0, "queue")}
 
 
 def test_unknown_policy_is_refused():

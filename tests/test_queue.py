@@ -138,18 +138,18 @@ def test_an_elastic_job_shrinks_to_admit_another_tenants_job_and_grows_back(clus
 
 
 def test_a_preemptible_job_gives_way_after_a_checkpoint_and_resumes(cluster, tmp_path):
-    server = serve(cluster, tmp_path, RELAYTRAIN_TENANT_WEIGHTS="bob:2")  # bob's share is 2 of the 2 slots
+    server = serve(cluster, tmp_path)
     low_body = spec_dict("low", 400, checkpoint={"every_steps": 50, "path": "ckpt", "keep": 2},
                          scheduling={"preemptible": True})
-    urgent_body = spec_dict("urgent", 20)
+    urgent_body = spec_dict("urgent", 20, scheduling={"priority": 5})
     try:
-        with server.client() as a, server.client(BOB) as b:
+        with server.client() as a, server.client() as b:
             low = a.post("/v1/jobs", json=low_body).json()
             until(lambda: a.get(f"/v1/jobs/{low['id']}").json()["step"] > 60, timeout=120, what="low at step 60")
-            urgent = b.post("/v1/jobs", json=urgent_body).json()
+            urgent = b.post("/v1/jobs", json=urgent_body).json()  # the same tenant's, of a higher priority
             assert urgent["state"] == "PENDING", urgent  # admitted: low is preempted for it
             [asked] = until(lambda: events(a, low["id"], {"preempt"}), timeout=30)
-            assert asked["message"].startswith(f"preempted: its 2 slots go to job {urgent['id']} of tenant bob")
+            assert asked["message"].startswith(f"preempted: its 2 slots go to job {urgent['id']} of tenant alice")
             [gone] = until(lambda: events(a, low["id"], {"preempted"}), timeout=60)
             assert gone["step"] > 60 and str(gone["step"]) in gone["checkpoint"], gone
             assert gone["message"].startswith(f"preempted after {gone['step']} committed steps")
