@@ -205,8 +205,8 @@ class Store:
     def set_state(self, job_id: str, state: JobState, error: Optional[str] = None, only_if_active: bool = True) -> bool:
         """Move a job to ``state``; a job already ended keeps its end (returns False)."""
         values: dict[str, Any] = {"state": state.value}
-        if state is JobState.RUNNING:
-            values["started_at"] = time.time()
+        if state is JobState.RUNNING:  # the first time only: a reshape or a restart does not start it again
+            values["started_at"] = sa.func.coalesce(jobs.c.started_at, time.time())
         if state.is_terminal:
             values["ended_at"] = time.time()
         if error is not None:

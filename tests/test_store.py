@@ -182,3 +182,14 @@ def test_logs_in_order_and_only_the_newest_kept(store):
     assert [r["line"] for r in store.get_logs("j1", after=got[3]["id"])] == ["line 6", "line 7"]
     assert [r["line"] for r in store.get_logs("j1", limit=2, tail=True)] == ["line 6", "line 7"]
     assert [r["line"] for r in store.get_logs("j2")] == ["line 0"]  # another job's lines are its own
+
+
+def test_started_at_is_the_first_start_and_a_job_may_be_queued(store):
+    job, _ = store.create_job("q1", "alice", {"name": "q", "training": {"steps": 3}}, state=JobState.QUEUED)
+    assert job["state"] == "QUEUED" and job["started_at"] is None
+    assert store.set_state("q1", JobState.PENDING) and store.set_state("q1", JobState.RUNNING)
+    first = store.get_job("q1")["started_at"]
+    time.sleep(0.01)
+    store.set_state("q1", JobState.RESHAPING)
+    store.set_state("q1", JobState.RUNNING)  # after a reshape: still the first start
+    assert store.get_job("q1")["started_at"] == first
