@@ -10,9 +10,10 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
+from api.errors import JobError
+from api.jobs import JobManager
 from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens, load_weights
-from api.jobs import JobError, JobManager
 from service.settings import Settings
 from service.states import JobState
 from service.store import Store

@@ -21,6 +21,8 @@ import threading
 import time
 from typing import Callable, Optional
 
+from pydantic import ValidationError
+
 from actors import launch
 from service import fairshare
 from service.settings import Settings
@@ -58,6 +60,7 @@ class ClusterScheduler:
         self.allotted: dict[str, int] = {}                 # admitted job -> workers last allotted to it
         self.preempting: dict[str, float] = {}             # job -> when it was asked to give its slots back
         self.capacity = 0.0
+        self.unreadable: set[str] = set()                   # jobs left out (logged once)
 
     # ---------------------------------------------------------------- the cluster
 
@@ -82,15 +85,30 @@ class ClusterScheduler:
         spec = JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed yet
         return spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
 
+    def _demands(self) -> tuple[list[dict], list[fairshare.JobDemand]]:
+        """The active jobs and what each asks for; a job whose spec this version cannot read
+        (an older relaytrain's) is left out, said once in the log."""
+        rows, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
+        jobs, demands = [], []
+        for j in rows:
+            try:
+                demands.append(demand(j, self.holding(j)))
+                jobs.append(j)
+            except ValidationError as e:
+                if j["id"] not in self.unreadable:
+                    self.unreadable.add(j["id"])
+                    log.warning("cluster scheduler: job %s left out, its spec is not readable: %s", j["id"],
+                                str(e).splitlines()[0])
+        return jobs, demands
+
     # ---------------------------------------------------------------- one pass
 
     def tick(self, fresh: Optional[str] = None) -> dict[str, fairshare.Allocation]:
         """Decide and act once; ``fresh``: a job just submitted (its ``queued`` event is written
         here when it must wait)."""
         with self._lock:
-            jobs, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
+            jobs, demands = self._demands()
             self.capacity = self.measure_capacity()
-            demands = [demand(j, self.holding(j)) for j in jobs]
             decisions = fairshare.allocate(self.capacity, demands, self.weights, self.policy)
             self.queue = {k: a for k, a in decisions.items() if a.workers == 0 and a.action == "queue"}
             for job in sorted(jobs, key=lambda j: j["created_at"]):
@@ -151,12 +169,11 @@ class ClusterScheduler:
     def view(self, tenant: str) -> dict:
         """The cluster as the policy sees it: capacity, each tenant's weight, share and use,
         and the queue (other tenants' jobs without their names)."""
-        jobs, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
+        jobs, demands = self._demands()
         tenants: dict[str, dict] = {}
-        for j in jobs:
+        for j, d in zip(jobs, demands):
             t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
                                                  "using": 0.0, "running": 0, "queued": 0})
-            d = demand(j, self.holding(j))
             t["using"] += d.running * d.per_worker
             t["queued" if j["state"] == JobState.QUEUED.value else "running"] += 1
         total_w = sum(t["weight"] for t in tenants.values()) or 1.0

@@ -107,7 +107,7 @@ def job_model(job_id: str, manager: ManagerDep, tenant: TenantDep):
     shards in the model's order. Only a model of at most RELAYTRAIN_MODEL_PT_MAX_MB (default
     1024 MiB) comes as one file: a larger one is a 409, and its shards are at
     /v1/jobs/{job_id}/model/files."""
-    return Response(manager.model_bytes(tenant, job_id), media_type="application/octet-stream",
+    return Response(manager.models.whole(tenant, job_id), media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{job_id}.pt"'})
 
 
@@ -117,7 +117,7 @@ def job_model_files(job_id: str, manager: ManagerDep, tenant: TenantDep) -> dict
     (model.safetensors.index.json: `metadata`, `weight_map`) and `files`, a safetensors shard per
     pipeline stage with its size. Download each file, and the index, from
     /v1/jobs/{job_id}/model/files/{name}."""
-    return manager.model_files(tenant, job_id)
+    return manager.models.files(tenant, job_id)
 
 
 @router.get("/{job_id}/model/files/{name:path}", response_class=Response,
@@ -126,7 +126,7 @@ def job_model_files(job_id: str, manager: ManagerDep, tenant: TenantDep) -> dict
 def job_model_file(job_id: str, name: str, manager: ManagerDep, tenant: TenantDep):
     """One file of the trained model: a shard /v1/jobs/{job_id}/model/files lists (a safetensors
     file) or the index, model.safetensors.index.json. Any other name is a 404 that lists the files."""
-    data = manager.model_file(tenant, job_id, name)
+    data = manager.models.file(tenant, job_id, name)
     return Response(data, media_type="application/octet-stream",
                     headers={"Content-Disposition": f'attachment; filename="{name}"'})
 

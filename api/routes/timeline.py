@@ -6,9 +6,10 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, Query, Response
 
 from api.deps import ManagerDep, TenantDep
+from api.errors import NotFound
+from api.jobs import JobManager
 from api.schemas import ErrorOut, TimelineOut
 from service import timeline
-from api.jobs import JobManager, NotFound
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}}
