@@ -147,7 +147,9 @@ class JobController:
         free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect)
         cur = (self.group.shape.dp, self.group.shape.pp) if self.group.shape and not forced else None
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
-                                waited_s=time.monotonic() - since if since else 0.0, cap=self.cap)
+                                waited_s=time.monotonic() - since if since else 0.0, cap=self.cap,
+                                steps_left=self.spec.training.steps - self.record.step,
+                                step_s=self.group.shape.step_s if cur else None)
 
     def _wait(self, d, since: Optional[float], again: Callable[[float], State], slots: int) -> State:
         if isinstance(d, policy.Fail):

@@ -62,6 +62,8 @@ class Situation:
     joined: int = 0                        # of ``kept``, workers started for a growth and now up
     waited_s: float = 0.0                  # seconds already spent waiting for slots
     cap: Optional[int] = None              # workers the cluster scheduler allots the job (None: no limit)
+    steps_left: Optional[int] = None       # steps still to train (a growth must pay back its reshape)
+    step_s: Optional[float] = None         # the current shape's modelled seconds per step
 
     @property
     def slots(self) -> int:
@@ -129,4 +131,10 @@ def _maybe_grow(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Dec
         return Keep(d.reason)
     if d.shape.workers <= sit.kept:
         return Keep(f"the faster shape {d.shape.label()} needs no more workers")
+    payback = spec.elastic.grow_payback_s  # its reshape pauses every worker (about 1 s measured), and its
+    if sit.steps_left is not None and sit.step_s is not None and payback:  # new workers' start takes CPU
+        saved = sit.steps_left * (sit.step_s - d.shape.step_s)
+        if saved < payback:
+            return Keep(f"growing to {d.shape.label()} would save {max(saved, 0):.1f} s over the {sit.steps_left} "
+                        f"steps left, less than elastic.grow_payback_s={payback:g} s")
     return Reshape(d.shape, d.reason, forced=False)

@@ -175,6 +175,8 @@ class ElasticSpec(_Strict):
         1, ge=0, description="copy the committed state of every stage to the scheduler's node every N steps, so losing "
                              "every replica of a stage loses no step (0 = rely on checkpoints)")
     min_gain: float = Field(0.10, ge=0, description="a voluntary reshape (scale-up) needs this modelled speed-up")
+    grow_payback_s: float = Field(5.0, ge=0, description="a scale-up must also save this many modelled seconds over "
+                                                         "the steps left (its reshape pauses every worker)")
 
     @model_validator(mode="after")
     def _range(self):

@@ -104,7 +104,7 @@ def test_a_user_error_fails_an_elastic_job_whatever_its_words(exc, says):
 
 
 def test_a_joining_node_grows_the_job_at_a_boundary():
-    s = spec(dp=2, pp=2, steps=8)
+    s = spec(dp=2, pp=2, steps=8, grow_payback_s=0)  # these modelled steps take milliseconds
     ctl, group, cluster, record = controller(s, nodes=2)
     group.queue_step()
     group.queue_step(before=lambda: (cluster.add("node8"), cluster.add("node9")))
@@ -146,6 +146,23 @@ def test_policy_table(sit, want):
         assert (d.shape.dp, d.shape.pp) == want[1]
     if isinstance(d, policy.Fail):
         assert d.reason.endswith("gave up after elastic.wait_timeout_s=10 s")
+
+
+def test_the_cluster_schedulers_allotment_caps_the_job():
+    s = spec(min_workers=1)
+    grow = policy.decide(policy.Situation(kept=2, free=2, current=(1, 2), cap=2), s, facts())
+    assert isinstance(grow, policy.Keep) and grow.reason == "at the workers the cluster scheduler allots it"
+    place = policy.decide(policy.Situation(kept=0, free=4, current=None, forced=True, cap=2), s, facts())
+    assert place.shape.workers == 2  # 4 free, 2 allotted
+
+
+def test_a_growth_must_pay_back_its_reshape():
+    s = spec(min_workers=1)
+    sit = dict(kept=2, free=2, current=(1, 2), step_s=0.050)
+    few = policy.decide(policy.Situation(**sit, steps_left=10), s, facts())
+    assert isinstance(few, policy.Keep) and "steps left, less than elastic.grow_payback_s=5 s" in few.reason
+    many = policy.decide(policy.Situation(**sit, steps_left=100_000), s, facts())
+    assert isinstance(many, policy.Reshape) and (many.shape.dp, many.shape.pp) == (2, 2)
 
 
 def test_a_node_that_lost_workers_counts_again_once_dead_or_still_alive_after_a_while():
