@@ -81,6 +81,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.memory import GiB, MiB, meminfo  # noqa: E402
+from bench.paced_mlp import PACED  # noqa: E402  the paced model: the built-in MLP's layers + sleeps
 
 RESULTS = ROOT / "bench" / "results"
 
@@ -95,48 +96,6 @@ FULL = {"sizes": [1024, 2048, 2896], "mbss": [8, 32], "storages": ["local", "s3"
         "steps": 12, "sleep_ms": 2.0}
 QUICK = {"sizes": [2048], "mbss": [8], "storages": ["local", "s3"], "computes": ["real"], "steps": 12,
          "sleep_ms": 2.0}
-
-# the paced model: the built-in MLP's layers (same names, same state), each block followed by a
-# layer that sleeps like a device computing; written into a folder the job ships as working_dir
-PACED = '''"""bench/checkpoint.py's paced MLP: the built-in MLP with simulated device time."""
-import time
-
-import torch
-from torch import nn
-
-
-class _Pace(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, seconds):
-        ctx.seconds = seconds * x.shape[0]
-        time.sleep(ctx.seconds)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(2 * ctx.seconds)
-        return grad, None
-
-
-class Sleep(nn.Module):
-    """Sleeps ``seconds_per_sample`` per sample in the forward, twice that in the backward."""
-
-    def __init__(self, seconds_per_sample: float):
-        super().__init__()
-        self.seconds = float(seconds_per_sample)
-
-    def forward(self, x):
-        return _Pace.apply(x, self.seconds)
-
-
-def build(in_features=64, hidden=128, layers=4, out_features=10, sleep_ms=2.0):
-    mods, width = [], in_features
-    for _ in range(layers):
-        mods.append(nn.Sequential(nn.Linear(width, hidden), nn.ReLU(), Sleep(sleep_ms / 1e3)))
-        width = hidden
-    mods.append(nn.Linear(width, out_features))
-    return nn.Sequential(*mods)
-'''
 
 
 def param_count(hidden: int, layers: int = LAYERS) -> int:
