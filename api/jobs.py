@@ -158,6 +158,10 @@ class JobManager:
         """Start the job's scheduler on ``allocation`` workers at most (an elastic job; for a
         restart: resuming from the checkpoint ``resume``, its steps up to ``rerun_through``
         marked as re-runs)."""
+        now = self.store.get_job(job["id"])
+        if now is None or JobState(now["state"]).is_terminal:  # cancelled meanwhile: start nothing
+            self._starting.discard(job["id"])
+            return
         spec = JobSpec.model_validate(job["spec"])
         env = dict(spec.runtime_env)
         self._starting.add(job["id"])  # until its actor is up (see reconcile)
