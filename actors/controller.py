@@ -113,8 +113,9 @@ class JobController:
             self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             self.group.gpus = self.group.gpus_per_worker()
+            if self.elastic:
+                self.usable = policy.usable_sizes(self.spec, self.layers.facts)
         if self.elastic:
-            self.usable = self.usable or policy.usable_sizes(self.spec, self.layers.facts)
             self.watch = self.watch or NodeWatch()
             self.watch.start()
             sit = self._situation(kept=0, exclude=set(), forced=True, since=state.waited_since)

@@ -36,9 +36,8 @@ ACTIVE = [s.value for s in JobState if not s.is_terminal]
 PREEMPT_AGAIN_S = 60.0   # a preemption that did not happen (its checkpoint failed) is asked again after this
 
 
-def demand(job: dict, workers: int) -> fairshare.JobDemand:
+def demand(job: dict, spec: JobSpec, workers: int) -> fairshare.JobDemand:
     """What the policy needs of one job (``workers``: what it holds now; 0 when queued)."""
-    spec = JobSpec.model_validate(job["spec"])
     p, e = spec.parallelism, spec.elastic
     size = p.dp * p.pp
     lo, hi = (e.min_workers, e.max_workers) if e.enabled else (size, size)
@@ -73,8 +72,8 @@ class ClusterScheduler:
             cpus = max(cpus, self.settings.cluster_max_cpus)
         return cpus
 
-    def holding(self, job: dict) -> int:
-        """Workers a job holds (or is starting) now."""
+    def holding(self, job: dict, spec: Optional[JobSpec] = None) -> int:
+        """Workers a job holds (or is starting) now (``spec``: the job's, when already read)."""
         if job["state"] == JobState.QUEUED.value:
             return 0
         shape = job.get("shape") or {}
@@ -82,24 +81,25 @@ class ClusterScheduler:
             return int(shape["dp"]) * int(shape["pp"])
         if job["id"] in self.allotted:
             return self.allotted[job["id"]]
-        spec = JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed yet
+        spec = spec or JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed
         return spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
 
-    def _demands(self) -> tuple[list[dict], list[fairshare.JobDemand]]:
-        """The active jobs and what each asks for; a job whose spec this version cannot read
-        (an older relaytrain's) is left out, said once in the log."""
+    def _demands(self) -> list[tuple[dict, JobSpec, fairshare.JobDemand]]:
+        """The active jobs, each with its spec (read once) and what it asks for; a job whose spec
+        this version cannot read (an older relaytrain's) is left out, said once in the log."""
         rows, _ = self.store.list_jobs(states=ACTIVE, limit=100000)
-        jobs, demands = [], []
+        out = []
         for j in rows:
             try:
-                demands.append(demand(j, self.holding(j)))
-                jobs.append(j)
+                spec = JobSpec.model_validate(j["spec"])
             except ValidationError as e:
                 if j["id"] not in self.unreadable:
                     self.unreadable.add(j["id"])
                     log.warning("cluster scheduler: job %s left out, its spec is not readable: %s", j["id"],
                                 str(e).splitlines()[0])
-        return jobs, demands
+                continue
+            out.append((j, spec, demand(j, spec, self.holding(j, spec))))
+        return out
 
     # ---------------------------------------------------------------- one pass
 
@@ -107,22 +107,22 @@ class ClusterScheduler:
         """Decide and act once; ``fresh``: a job just submitted (its ``queued`` event is written
         here when it must wait)."""
         with self._lock:
-            jobs, demands = self._demands()
+            jobs = self._demands()
             self.capacity = self.measure_capacity()
-            decisions = fairshare.allocate(self.capacity, demands, self.weights, self.policy)
+            decisions = fairshare.allocate(self.capacity, [d for _, _, d in jobs], self.weights, self.policy)
             self.queue = {k: a for k, a in decisions.items() if a.workers == 0 and a.action == "queue"}
-            for job in sorted(jobs, key=lambda j: j["created_at"]):
+            for job, spec, _ in sorted(jobs, key=lambda x: x[0]["created_at"]):
                 try:
-                    self._act(job, decisions[job["id"]], fresh == job["id"])
+                    self._act(job, spec, decisions[job["id"]], fresh == job["id"])
                 except Exception as e:  # one job's trouble must not stop the others' decisions
                     log.warning("cluster scheduler: job %s: %s: %s", job["id"], type(e).__name__, e)
-            gone = set(self.allotted) - {j["id"] for j in jobs}
+            gone = set(self.allotted) - {j["id"] for j, _, _ in jobs}
             for k in gone:
                 self.allotted.pop(k, None)
                 self.preempting.pop(k, None)
             return decisions
 
-    def _act(self, job: dict, a: fairshare.Allocation, fresh: bool) -> None:
+    def _act(self, job: dict, spec: JobSpec, a: fairshare.Allocation, fresh: bool) -> None:
         job_id = job["id"]
         if a.action == "queue":
             if fresh:
@@ -147,7 +147,6 @@ class ClusterScheduler:
                 self.preempting[job_id] = time.monotonic()
                 self.store.add_events(job_id, [{"type": "preempt", "message": a.reason}])
             return
-        spec = JobSpec.model_validate(job["spec"])
         if not spec.elastic.enabled or self.allotted.get(job_id) == a.workers:
             return
         sched = launch.find_scheduler(job_id)
@@ -169,9 +168,9 @@ class ClusterScheduler:
     def view(self, tenant: str) -> dict:
         """The cluster as the policy sees it: capacity, each tenant's weight, share and use,
         and the queue (other tenants' jobs without their names)."""
-        jobs, demands = self._demands()
+        jobs = self._demands()
         tenants: dict[str, dict] = {}
-        for j, d in zip(jobs, demands):
+        for j, _, d in jobs:
             t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
                                                  "using": 0.0, "running": 0, "queued": 0})
             t["using"] += d.running * d.per_worker
@@ -181,6 +180,6 @@ class ClusterScheduler:
             t["share"] = round(self.capacity * t["weight"] / total_w, 3)
         queue = sorted(({"position": a.position, "reason": a.reason, "tenant": j["tenant"],
                          "job": j["id"] if j["tenant"] == tenant else None}
-                        for j in jobs for a in [self.queue.get(j["id"])] if a), key=lambda q: q["position"])
+                        for j, _, _ in jobs for a in [self.queue.get(j["id"])] if a), key=lambda q: q["position"])
         return {"policy": self.policy, "capacity": self.capacity, "tenants": sorted(tenants.values(),
                 key=lambda t: t["tenant"]), "queue": queue}

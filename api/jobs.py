@@ -138,18 +138,15 @@ class JobManager:
             return
         self._starting.add(job["id"])
 
-        def later():
+        def later():  # its checkpoint was complete before it went back to the queue
             try:
-                launch.wait_actors_gone(job["id"], timeout=60.0)
                 root = self.checkpoint_root(job)
                 newest = checkpoint.latest(root) if root else None
             except Exception as e:
                 self._starting.discard(job["id"])
                 self._fail(job["id"], f"its checkpoints could not be read to resume it: {type(e).__name__}: {e}")
                 return
-            fresh = self.store.get_job(job["id"]) or job
-            self._launch(fresh, resume=str(newest) if newest else None, rerun_through=fresh["step"],
-                         allocation=workers)
+            self._restart(self.store.get_job(job["id"]) or job, str(newest) if newest else None)
 
         threading.Thread(target=later, daemon=True).start()
 
@@ -306,9 +303,11 @@ class JobManager:
         self._starting.add(job_id)
         threading.Thread(target=self._restart, args=(job, str(newest)), daemon=True).start()
 
-    def _restart(self, job: dict, resume: str) -> None:
+    def _restart(self, job: dict, resume: Optional[str]) -> None:
+        """Start ``job`` again from the checkpoint ``resume`` (its steps so far marked as re-runs),
+        once its old scheduler and workers are gone (lost, or preempted) and their slots free."""
         try:
-            launch.wait_actors_gone(job["id"], timeout=30.0)  # the lost scheduler's workers free their slots
+            launch.wait_actors_gone(job["id"], timeout=30.0)
         finally:
             self._starting.discard(job["id"])
         self._launch(job, resume=resume, rerun_through=job["step"], allocation=self.cluster.allotted.get(job["id"]))

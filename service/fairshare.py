@@ -54,14 +54,6 @@ class JobDemand:
     def rigid_size(self) -> int:
         return self.preferred or self.min_workers
 
-    def usable(self, n: int) -> int:
-        """The most workers it can use out of ``n``."""
-        n = min(n, self.max_workers)
-        if self.sizes:
-            fits = [s for s in self.sizes if s <= n]
-            return max(fits) if fits else 0
-        return n if n >= self.min_workers else 0
-
 
 @dataclass(frozen=True)
 class Allocation:
@@ -137,7 +129,7 @@ def _floor(j: JobDemand, elastic: bool) -> int:
         return 0
     if not elastic or not j.elastic:
         return j.running                 # a rigid job keeps what it holds
-    return max(j.min_workers, j.usable(j.min_workers))
+    return j.min_workers
 
 
 def _fair(p: _Plan, elastic: bool) -> None:
