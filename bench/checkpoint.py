@@ -66,7 +66,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -80,6 +79,7 @@ os.environ["RELAYTRAIN_MODEL_PT_MAX_MB"] = "0"  # no one-file model.pt from the 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.machine import machine  # noqa: E402
 from bench.memory import GiB, MiB, meminfo  # noqa: E402
 from bench.paced_mlp import PACED  # noqa: E402  the paced model: the built-in MLP's layers + sleeps
 
@@ -256,26 +256,6 @@ def fs_type(path: str) -> str:
     return kind
 
 
-def machine() -> dict:
-    import ray
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    out = {"cpu": cpu, "cores": os.cpu_count(), "mem_total_gib": round(meminfo("MemTotal") / GiB, 1),
-           "torch": torch.__version__, "ray": ray.__version__, "python": platform.python_version()}
-    for pkg in ("moto", "s3fs"):
-        try:
-            out[pkg] = __import__(pkg).__version__
-        except ImportError:
-            out[pkg] = None
-    return out
-
-
 def measure(grid: dict, local_dir: str) -> dict:
     import ray
 
@@ -448,7 +428,7 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     t_start, load_start = time.time(), os.getloadavg()[0]
     res = measure(grid, args.local_dir)
-    res.update(time=t_start, quick=args.quick, tag=args.tag, grid=grid, machine=machine(),
+    res.update(time=t_start, quick=args.quick, tag=args.tag, grid=grid, machine=machine("moto", "s3fs"),
                local_fs=fs_type(args.local_dir), wall_s=time.time() - t_start, load_start=load_start,
                load_end=os.getloadavg()[0])
     out = render(res)

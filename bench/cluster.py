@@ -64,6 +64,7 @@ sys.path.insert(0, str(ROOT))
 from bench.cluster_sim import (BATCH, BLOCKS, POLICIES, RESULTS, SMOKE, TRACE, WEIGHTS,  # noqa: E402
                                _f, add_sim_args, goals, plot, policy_table, render_sim, simulate,
                                step_seconds, summarize, trace_jobs, util_series, write_simulations)
+from bench.machine import machine  # noqa: E402
 from bench.paced_mlp import PACED  # noqa: E402
 
 # the paced model's other dimensions (its blocks and global batch: bench/cluster_sim.py)
@@ -417,16 +418,6 @@ def simulate_beside(res: dict, args) -> None:
     res["simulated"] = sim
     res["simulated_with"] = {"start_s": args.sim_start_s, "reshape_s": args.sim_reshape_s,
                              "step_overhead": args.sim_overhead}
-
-
-def machine() -> dict:
-    import platform
-
-    import ray
-    import torch
-
-    return {"cores": os.cpu_count(), "torch": torch.__version__, "ray": ray.__version__,
-            "python": platform.python_version()}
 
 
 def render_real(res: dict) -> str:

@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -56,8 +55,9 @@ os.environ["RELAYTRAIN_MODEL_PT_MAX_MB"] = "0"  # no one-file model.pt from the 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.memory import (MIN_AVAILABLE, MiB, GiB, Sampler, activation_bytes, gpt_layers, gpt_spec,  # noqa: E402
-                          measure_base, meminfo, param_count, shape_bounds, stage_bounds,
+from bench.machine import machine  # noqa: E402
+from bench.memory import (MIN_AVAILABLE, MiB, Sampler, activation_bytes, gpt_layers, gpt_spec,  # noqa: E402
+                          measure_base, param_count, shape_bounds, stage_bounds,
                           state_bytes, write_tokens)
 
 RESULTS = ROOT / "bench" / "results"
@@ -262,21 +262,6 @@ def run_one_process(size: str, mbs: int, precision: str, ckpt: bool, steps: int,
 
 
 # ---------------------------------------------------------------- the bench
-
-def machine() -> dict:
-    import ray
-    import torch
-
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "capability": torch.backends.cpu.get_cpu_capability(),
-            "mem_total_gib": round(meminfo("MemTotal") / GiB, 1), "torch": torch.__version__, "ray": ray.__version__,
-            "python": platform.python_version()}
-
 
 def measure(grid: dict, tokens: Path, one_process: bool) -> dict:
     import ray
