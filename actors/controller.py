@@ -99,6 +99,8 @@ class JobController:
     def _enter(self, state: State) -> None:
         """Show ``state``: the job's state, and for an end its event after what the actors printed."""
         if state.is_terminal:
+            if isinstance(state, Cancelled):  # a checkpoint already under way is kept
+                self.keeper.finish_writing()
             self.record.log_output(self.group.drain_output())
             self.record.event(state.kind, state.message, **state.fields)
             self.record.set_state(state.job_state, state.message if isinstance(state, Failed) else None)

@@ -203,6 +203,15 @@ class StateKeeper:
         self._writer(spec, record, job_id)
         return self.writer.now(committed)
 
+    def finish_writing(self) -> None:
+        """Let the checkpoint being written beside training finish (its event before the job's
+        end); a failure is its ``checkpoint_failed`` event, the job ends anyway."""
+        if self.writer is not None:
+            try:
+                self.writer.poll(block=True)
+            except JobFailure:
+                pass
+
     def _writer(self, spec, record, job_id: str) -> None:
         if self.writer is None:
             self.writer = CheckpointWriter(self.group, self.checkpoint_root, spec, record,
