@@ -50,6 +50,8 @@ class JobController:
         self.cap_reason = ""
         self.preempt_reason: Optional[str] = None    # the cluster scheduler asked it to give its slots back
         self.usable: Optional[list[int]] = None      # worker counts its planner uses whole (elastic)
+        self.queued: Optional[tuple] = None          # (step, its calls, when the step before ended): sent early
+        self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
 
     # ---------------------------------------------------------------- the cluster scheduler's orders
 
@@ -127,11 +129,11 @@ class JobController:
             shape, why = d.shape, d.reason
         else:
             p = self.spec.parallelism
-            sizes = partition.choose(p.partition, self.layers.facts.layers, p.pp,
+            sizes = partition.choose(p.partition, self.layers.facts.layers, p.virtual_stages,
                                      self.layers.facts.seconds if self.layers.profiled else None)
             shape = planner.model_shape(self.layers.facts, p.dp, p.pp, self.spec.microbatches, schedule=p.schedule,
                                         transport=p.transport, optimizer=self.spec.optimizer.name,
-                                        partition_rule=list(sizes))
+                                        partition_rule=list(sizes), chunks=p.chunks)
             why = "the spec's shape"
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
@@ -172,26 +174,47 @@ class JobController:
     def _run_step(self, step: int) -> State:
         if step >= self.spec.training.steps:
             return Finishing()
-        if self.preempt_reason is not None:
+        early = self.queued is not None and self.queued[0] == step  # sent while the step before ran
+        if self.preempt_reason is not None and not early:  # (a step already sent runs first)
             return self._preempted(step)
         if self.elastic:
             move = self._at_boundary()
             if move is not None:
                 return Reshaping(move=move)
-        t0 = time.time()
-        refs = self.group.call_all("run_step", step)
+        if early:
+            _, refs, t0 = self.queued
+        else:
+            t0, refs = time.time(), self.group.call_all("run_step", step)
+        self.queued = None
+        if self._may_queue(step + 1):  # the workers start it as they end this one (and commit this one then)
+            self.queued = (step + 1, self.group.call_all("run_step", step + 1), None)
         try:
             stats = self.group.gather(refs, step, self.group.timeout)
         except WorkerLost as lost:
             return self._lost(step, refs, lost)
+        if self.queued is not None:
+            self.queued = (*self.queued[:2], time.time())
         if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
             failure = JobFailure(f"the off-node copy of step {self.keeper.wanted} could not be fetched from "
                                  "the workers (a node is going)")
             return self._lost(step, refs, WorkerLost(failure, set(), time.time()))
         wall = time.time() - t0
         eval_loss, lost = evaluation.run(self.group, self.record, self.spec, step, stats)
+        if early:
+            stats[next(iter(stats))]["queued_early"] = True
         self._commit(step, stats, wall, eval_loss)  # the step stands even if its evaluation was lost
         return self._lost(step, lost.refs, lost) if lost else Running(step + 1)
+
+    def _may_queue(self, step: int) -> bool:
+        """Send step ``step`` before the step before it has ended?  On a fixed-shape job, when
+        nothing is due between the two: no checkpoint, evaluation or snapshot of the step
+        before, no preemption or cancellation asked for.  The call carries the commit of the
+        step before (the worker applies its update as it starts), so the workers never wait
+        for this scheduler between steps.  An elastic job keeps the round trip: a reshape or
+        a lost worker must find every worker at a committed step."""
+        return (not self.elastic and step < self.spec.training.steps and self.preempt_reason is None
+                and not self.cancelled.is_set() and not self.keeper.due(step, self.spec)
+                and not evaluation.due(self.spec, step) and (self.may_queue is None or self.may_queue(step)))
 
     def _preempted(self, step: int) -> State:
         """Give the slots back: a checkpoint of the committed steps, then back to the queue."""
@@ -218,7 +241,7 @@ class JobController:
         spec, rec, shape = self.spec, self.record, self.group.shape
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
-                          schedule=spec.parallelism.schedule, microbatches=spec.microbatches,
+                          schedule=spec.parallelism.schedule, microbatches=spec.microbatches, chunks=shape.chunks,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
                           lr=lr_at(spec, step + 1))
         if eval_loss is not None:

@@ -4,6 +4,7 @@ job store as they happen.  The controller is the only caller of ``set_state``.""
 from __future__ import annotations
 
 import collections
+import functools
 import math
 import threading
 import time
@@ -91,13 +92,15 @@ class JobRecord:
         """A shape was installed: the job's shape field and a ``shape`` event."""
         p = spec.parallelism
         info = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
+                "stages_per_worker": shape.chunks,
                 "transport": p.transport, "microbatches": spec.microbatches,
                 "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
                 "workers": workers}
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
         self.set_shape(info)
-        self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per stage {list(shape.sizes)}, "
+        per = "stage" if shape.chunks == 1 else f"model chunk ({shape.chunks} per worker)"
+        self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per {per} {list(shape.sizes)}, "
                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
                    f"transport {p.transport} ({why})", **info, reason=why, layer_costs_s=costs)
 
@@ -151,8 +154,15 @@ def grad_norm(stats: dict) -> float:
     return summed[0] if summed else math.sqrt(sum(s.get("grad_sq", 0.0) for s in stats.values()))
 
 
+@functools.lru_cache(maxsize=64)
+def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1) -> float:
+    """The schedule's ideal bubble (backward = 2 x forward, split evenly into B and W)."""
+    return float(schedules.simulate(schedules.build(schedule, pp, m, chunks)).bubble)
+
+
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
-                microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float) -> dict:
+                microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
+                chunks: int = 1) -> dict:
     """The metrics row of committed step ``step + 1`` from every worker's step result."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
     skipped = any(s.get("skipped") for s in stats.values())
@@ -161,7 +171,7 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         cells = [stats[(r, s)] for s in range(pp)]
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (pp * span) if span > 0 else 1.0)
-    ideal = float(schedules.simulate(schedules.build(schedule, pp, microbatches // dp)).bubble)
+    ideal = plan_bubble(schedule, pp, microbatches // dp, chunks)
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
@@ -169,4 +179,6 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
             "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
-            **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {})}
+            **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {}),
+            # its call reached the workers while the step before ran (no round trip between the two)
+            **({"queued_early": True} if any(s.get("queued_early") for s in stats.values()) else {})}

@@ -176,7 +176,7 @@ class Reshaper:
                 copy_layers = set(range(self.layers))
             everyone = {**assign, **spawned}
             old_layers = {h._actor_id.hex(): g.layers_of(c) for c, h in donors.items()}
-            sources = self.keeper.sources(shape.bounds, everyone, committed, copy=copy, copy_layers=copy_layers or set(),
+            sources = self.keeper.sources(shape, everyone, committed, copy=copy, copy_layers=copy_layers or set(),
                                           donors=donors, old_layers=old_layers, stateless=self.stateless)
             return g.configure(shape, why, everyone, committed, sources, boundary)
         except BaseException:
@@ -186,13 +186,13 @@ class Reshaper:
 
     def assign(self, shape: planner.Shape, keep: dict) -> dict:
         """Give kept workers the cells whose layers they already hold (most overlap first)."""
-        bounds = shape.bounds
         cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        mine = {s: shape.layers_of(s) for s in range(shape.pp)}
         pairs = []
         for i, (c, h) in enumerate(keep.items()):
             held = self.group.layers_of(c)
             for (r, s) in cells:
-                overlap = len(held & set(range(*bounds[s])))
+                overlap = len(held & mine[s])
                 pairs.append((-overlap, (r, s) != c, (r, s), i, c))
         pairs.sort(key=lambda x: x[:4])
         assign, used = {}, set()

@@ -63,14 +63,13 @@ from service import schedules
 
 
 class Transport(Protocol):
-    """How activations and their gradients move between neighbouring stages (actors/transport.py)."""
+    """How activations and their gradients move between the workers of a replica (actors/transport.py);
+    ``stage`` is the receiving or sending worker's pipeline rank."""
 
     name: str
     fixed_shapes: bool  # every microbatch's activation must keep the first one's shape
 
     def begin_step(self, step: int, expected: list) -> None: ...
-    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None: ...
-    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor: ...
     def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None: ...
     def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor: ...
     def finish_step(self) -> None: ...
@@ -94,27 +93,53 @@ def _meta(m) -> Optional[tuple]:
 
 @dataclass(frozen=True)
 class Cell:
-    """Where a worker stands in a shape: its (dp_rank, pp_rank), its layers, its actions."""
+    """Where a worker stands in a shape: its (dp_rank, pp_rank), its model chunks (virtual
+    stages: one for gpipe, 1f1b and zb_h1; several for interleaved_1f1b and zbv), its actions.
+
+    A tensor crossing the boundary after virtual stage b for microbatch g travels under the
+    key ``g * virtual + b`` (activations forward, their gradients back); between two chunks
+    of one worker (a V's turn) it is handed over in memory."""
 
     gen: int
     dp_rank: int
     pp_rank: int
     dp: int
     pp: int
-    layers: tuple[int, int]           # [lo, hi) of the whole model
+    chunks: tuple                     # its virtual stages, in model order
+    ranges: tuple                     # [lo, hi) of each of its chunks, in the same order
     mb0: int                          # its replica's first global microbatch
+    m: int                            # microbatches per replica
     actions: list
-    in_meta: Optional[tuple]          # (shape, dtype) of the activation it receives
-    out_meta: Optional[tuple]         # ... and sends
+    boundary: tuple                   # (shape, dtype) each virtual stage sends on (the last: None)
+    virtual: int                      # virtual stages of the pipeline
+    where: str                        # chunk placement (service/schedules.py: "loop" or "v")
+    split: bool                       # backward split into B (input gradient) and W (weight gradient)
     receives: list = field(default_factory=list)  # the step's receives, in the order its actions take them
 
     @property
+    def layers(self) -> tuple[int, int]:
+        """[lo, hi) spanning its layers (its only chunk's, for one chunk per worker)."""
+        return self.ranges[0][0], self.ranges[-1][1]
+
+    @property
     def first(self) -> bool:
-        return self.pp_rank == 0
+        """It runs virtual stage 0 (reads the inputs)."""
+        return 0 in self.chunks
 
     @property
     def last(self) -> bool:
-        return self.pp_rank == self.pp - 1
+        """It runs the last virtual stage (reads the targets, computes the loss)."""
+        return self.virtual - 1 in self.chunks
+
+    def owner(self, vs: int) -> int:
+        return schedules.owner(vs, self.pp, self.where)
+
+    def local(self, vs: int) -> bool:
+        return 0 <= vs < self.virtual and self.owner(vs) == self.pp_rank
+
+    def key(self, g: int, b: int) -> int:
+        """The transport key of what crosses boundary ``b`` (after virtual stage b) for microbatch g."""
+        return g * self.virtual + b
 
     @property
     def last_backward(self):
@@ -123,22 +148,33 @@ class Cell:
     @classmethod
     def from_config(cls, cfg: dict, microbatches: int) -> "Cell":
         dp, pp, r, s = cfg["dp"], cfg["pp"], cfg["dp_rank"], cfg["pp_rank"]
+        v, name = cfg.get("chunks", 1), cfg["schedule"]
         m = microbatches // dp
-        actions = schedules.build(cfg["schedule"], pp, m).order[s]
-        boundary = cfg["boundary"]
-        in_meta = _meta(boundary[s - 1]) if s > 0 else None
-        out_meta = _meta(boundary[s]) if s < pp - 1 else None
+        plan = schedules.build(name, pp, m, v)
+        where = schedules.placement(name)
+        V = pp * v
+        mine = tuple(schedules.chunks_of(s, pp, v, where))
+        bounds = cfg["bounds"]
+        boundary = tuple(_meta(b) if i < V - 1 else None for i, b in enumerate(cfg["boundary"]))
+        cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
+                   list(plan.order[s]), boundary, V, where, name in schedules.SPLIT)
         mb0 = r * m
-        receives = [("act", mb0 + a.mb, in_meta) if a.kind == "F" else ("grad", mb0 + a.mb, out_meta)
-                    for a in actions if (a.kind == "F" and s > 0) or (a.kind == "B" and s < pp - 1)]
-        return cls(cfg["gen"], r, s, dp, pp, tuple(cfg["bounds"][s]), mb0, actions, in_meta, out_meta, receives)
+        for a in cell.actions:
+            g = mb0 + a.mb
+            if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
+                cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.owner(a.stage - 1)))
+            elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1):
+                cell.receives.append(("grad", cell.key(g, a.stage), boundary[a.stage], cell.owner(a.stage + 1)))
+        return cell
 
 
 @dataclass
 class _Progress:
     """What a step's actions leave behind as they run."""
 
-    stash: dict = field(default_factory=dict)   # microbatch -> (input, output) until its backward
+    stash: dict = field(default_factory=dict)   # (chunk, microbatch) -> (input, output) until its backward
+    weights: dict = field(default_factory=dict)  # (chunk, microbatch) -> what its W needs (split schedules)
+    handed: dict = field(default_factory=dict)  # (kind, key) -> a tensor passed between two chunks of this worker
     loss_sum: torch.Tensor = field(default_factory=lambda: torch.zeros((), dtype=torch.float64))
     busy: float = 0.0
     live: int = 0
@@ -161,14 +197,21 @@ class StepRunner:
 
     def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
                  loss_fn: Optional[Callable], scale: float, ties=None, recipe: Recipe = Recipe(),
-                 norm_params: Optional[list] = None):
+                 norm_params: Optional[list] = None, parts: Optional[dict] = None):
+        """``stage``: every layer the worker holds; ``parts``: virtual stage -> its chunk's layers
+        (default: the one chunk is the whole stage)."""
         self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
+        self.parts = parts or {cell.chunks[0]: stage}
+        self.params = {vs: [q for q in part.parameters() if q.requires_grad] for vs, part in self.parts.items()}
         self.loss_fn, self.scale, self.ties = loss_fn, scale, ties  # ties: actors/ties.TiedGrads
         self.recipe = recipe
         # the parameters whose gradients count in the model's norm: a tie's copies but its first
         # name's are left out (one parameter), and only replica 0 counts (the replicas agree)
         self.norm_params = (norm_params if norm_params is not None else list(stage.parameters())) \
             if cell.dp_rank == 0 else []
+        # the action after which this step's weight gradients are final (the gradient sum is armed before it)
+        grads = [a for a in cell.actions if a.kind == ("W" if cell.split else "B")]
+        self.final = grads[-1] if grads else None
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
         c, tr, reduce = self.cell, self.tr, self.reduce
@@ -180,7 +223,12 @@ class StepRunner:
         p = _Progress()
         for a in c.actions:
             g = c.mb0 + a.mb
-            t0, t1 = self._forward(a, step, g, xs, ys, p) if a.kind == "F" else self._backward(a, step, g, p)
+            if a.kind == "F":
+                t0, t1 = self._forward(a, step, g, xs, ys, p)
+            elif a.kind == "B":
+                t0, t1 = self._backward(a, step, g, p)
+            else:
+                t0, t1 = self._weights(a, p)
             p.busy += t1 - t0
             p.timeline.append((f"{a.stage}{a.kind}{g}", t0, t1))  # global microbatch id
         with talking_to_peers(f"finishing the sends of step {step + 1}"):
@@ -205,37 +253,46 @@ class StepRunner:
                  aborted: Callable[[], bool]) -> dict:
         """Forwards only, with no gradients and the layers in eval mode, of this replica's
         microbatches of ``batches`` evaluation batches (``xs[b][j]``, ``ys[b][j]``), pipelined
-        like a step's forwards.  The last stage returns its sum of microbatch losses, each
-        scaled by microbatch / batch size: the sum over replicas is the sum of batch means."""
-        c, tr = self.cell, self.tr
-        m = len(c.actions) // 2
+        like a step's forwards: each of the worker's chunks in model order, over every
+        microbatch.  The last stage returns its sum of microbatch losses, each scaled by
+        microbatch / batch size: the sum over replicas is the sum of batch means."""
+        c, tr, m = self.cell, self.tr, self.cell.m
         ids = [b * m * c.dp + c.mb0 + j for b in range(batches) for j in range(m)]  # global eval microbatches
+        expected = [("eval", c.key(g, vs - 1), c.boundary[vs - 1], c.owner(vs - 1))
+                    for vs in c.chunks if vs > 0 and not c.local(vs - 1) for g in ids]
         with talking_to_peers(f"starting the evaluation after step {step}"):
-            tr.begin_step(step, [("eval", g, c.in_meta) for g in ids] if not c.first else [])
+            tr.begin_step(step, expected)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        timeline = []
+        timeline, handed = [], {}
         was_training = self.stage.training
         self.stage.eval()
         try:
             with torch.no_grad():
-                for k, g in enumerate(ids):
-                    b, j = divmod(k, m)
-                    if c.first:
-                        inp = xs[b][j]
-                    else:
-                        with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
-                            inp = tr.recv(step, "eval", g, c.in_meta)
-                    t0 = time.time()
-                    with self._autocast():
-                        out = self.stage(inp)
-                        if c.last:
-                            loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
-                    t1 = time.time()
-                    timeline.append((f"{c.pp_rank}E{g}", t0, t1))
-                    if not c.last:
-                        self._check_shape(out, g)
-                        with talking_to_peers(f"sending the evaluation activation of microbatch {g}"):
-                            tr.send(step, "eval", g, out)
+                for vs in c.chunks:
+                    for k, g in enumerate(ids):
+                        b, j = divmod(k, m)
+                        if vs == 0:
+                            inp = xs[b][j]
+                        elif c.local(vs - 1):
+                            inp = handed.pop((vs - 1, g))
+                        else:
+                            with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
+                                inp = tr.recv_from(c.owner(vs - 1), step, "eval", c.key(g, vs - 1), c.boundary[vs - 1])
+                        t0 = time.time()
+                        with self._autocast():
+                            out = self.parts[vs](inp)
+                            if vs == c.virtual - 1:
+                                loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
+                        t1 = time.time()
+                        timeline.append((f"{vs}E{g}", t0, t1))
+                        if vs == c.virtual - 1:
+                            continue
+                        self._check_shape(out, g, vs)
+                        if c.local(vs + 1):
+                            handed[(vs, g)] = out
+                        else:
+                            with talking_to_peers(f"sending the evaluation activation of microbatch {g}"):
+                                tr.send_to(c.owner(vs + 1), step, "eval", c.key(g, vs), out)
             with talking_to_peers(f"finishing the sends of the evaluation after step {step}"):
                 tr.finish_step()
         finally:
@@ -262,79 +319,137 @@ class StepRunner:
         """Forward and loss under bf16 autocast with training.precision bf16 (a no-op otherwise)."""
         return torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16)
 
-    def _compute(self, inp: torch.Tensor) -> torch.Tensor:
-        """The stage's layers on one microbatch, each recomputed in backward with checkpointing."""
+    def _compute(self, vs: int, inp: torch.Tensor) -> torch.Tensor:
+        """A chunk's layers on one microbatch, each recomputed in backward with checkpointing."""
+        part = self.parts[vs]
         if not self.recipe.checkpointing:
-            return self.stage(inp)
+            return part(inp)
         h = inp
-        for layer in self.stage:
+        for layer in part:
             h = checkpoint(layer, h, use_reentrant=False)
         return h
 
     def _forward(self, a, step: int, g: int, xs, ys, p: _Progress) -> tuple[float, float]:
-        c, tr = self.cell, self.tr
-        if c.first:
+        c, tr, vs = self.cell, self.tr, a.stage
+        last = vs == c.virtual - 1
+        if vs == 0:
             inp = xs[a.mb]
         else:
-            with talking_to_peers(f"receiving the activation of microbatch {g}"):
-                inp = tr.recv(step, "act", g, c.in_meta)
+            if c.local(vs - 1):  # a V's turn: the other chunk's output, cut from its graph
+                inp = p.handed.pop(("act", c.key(g, vs - 1))).detach()
+            else:
+                with talking_to_peers(f"receiving the activation of microbatch {g}"):
+                    inp = tr.recv_from(c.owner(vs - 1), step, "act", c.key(g, vs - 1), c.boundary[vs - 1])
             if inp.is_floating_point():
                 inp.requires_grad_()
         t0 = time.time()
         with self._autocast():
-            out = self._compute(inp)
-            if c.last:
+            out = self._compute(vs, inp)
+            if last:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
-        if c.last:
+        if last:
             p.loss_sum += out.detach().double().cpu()
         t1 = time.time()
-        p.stash[a.mb] = (inp, out)
-        if not c.last:
-            self._check_shape(out, g)
-            with talking_to_peers(f"sending the activation of microbatch {g}"):
-                tr.send(step, "act", g, out)
+        p.stash[(vs, a.mb)] = (inp, out)
+        if not last:
+            self._check_shape(out, g, vs)
+            if c.local(vs + 1):
+                p.handed[("act", c.key(g, vs))] = out
+            else:
+                with talking_to_peers(f"sending the activation of microbatch {g}"):
+                    tr.send_to(c.owner(vs + 1), step, "act", c.key(g, vs), out)
         p.live += 1
         p.peak = max(p.peak, p.live)
         return t0, t1
 
-    def _check_shape(self, out: torch.Tensor, g: int) -> None:
+    def _check_shape(self, out: torch.Tensor, g: int, vs: int) -> None:
         c = self.cell
-        if self.tr.fixed_shapes and (tuple(out.shape), out.dtype) != c.out_meta:
+        want = c.boundary[vs]
+        if self.tr.fixed_shapes and not c.local(vs + 1) and (tuple(out.shape), out.dtype) != want:
+            lo, hi = self.parts_range(vs)
             raise ValueError(
-                f"stage {c.pp_rank} (layers {c.layers[0]}-{c.layers[1] - 1}) produced an activation of shape "
+                f"stage {vs} (layers {lo}-{hi - 1}) produced an activation of shape "
                 f"{tuple(out.shape)} {out.dtype} for microbatch {g}, but the pipeline was set up for "
-                f"{c.out_meta[0]} {c.out_meta[1]} (the shape of the first microbatch): transport 'collective' needs "
+                f"{want[0]} {want[1]} (the shape of the first microbatch): transport 'collective' needs "
                 "every microbatch's activation to keep one shape; set parallelism.transport: object_store for "
                 "activations whose shape varies")
 
+    def parts_range(self, vs: int) -> tuple[int, int]:
+        c = self.cell
+        return c.ranges[c.chunks.index(vs)]
+
+    def _out_grad(self, a, step: int, g: int, p: _Progress) -> Optional[torch.Tensor]:
+        """The gradient of a chunk's output: none for the loss, else from the next chunk."""
+        c, vs = self.cell, a.stage
+        if vs == c.virtual - 1:
+            return None
+        if c.local(vs + 1):
+            return p.handed.pop(("grad", c.key(g, vs)))
+        with talking_to_peers(f"receiving the gradient of microbatch {g}"):
+            return self.tr.recv_from(c.owner(vs + 1), step, "grad", c.key(g, vs), c.boundary[vs])
+
     def _backward(self, a, step: int, g: int, p: _Progress) -> tuple[float, float]:
-        c, tr, reduce = self.cell, self.tr, self.reduce
-        inp, out = p.stash.pop(a.mb)
-        grad = None
-        if not c.last:
-            with talking_to_peers(f"receiving the gradient of microbatch {g}"):
-                grad = tr.recv(step, "grad", g, c.out_meta)
+        """B: the gradient of the chunk's input (sent on as soon as it is known); in a schedule
+        without W actions also its weight gradients."""
+        c, reduce, vs = self.cell, self.reduce, a.stage
+        inp, out = p.stash.pop((vs, a.mb))
+        grad = self._out_grad(a, step, g, p)
         t0 = time.time()
-        final = a == c.last_backward
+        needs_input = vs > 0 and inp.requires_grad
+        if c.split:
+            # the first chunk's input needs no gradient: its whole backward is its W (as torch's schedules do)
+            if needs_input and out.requires_grad and self.params[vs]:
+                _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(self.params[vs]))
+                p.weights[(vs, a.mb)] = ("groups", groups)
+            elif needs_input and out.requires_grad:  # no weights: the input gradient is the whole backward
+                torch.autograd.backward(out, grad)
+                p.weights[(vs, a.mb)] = ("done", None)
+            else:
+                p.weights[(vs, a.mb)] = ("whole", (out, grad))
+            t1 = time.time()
+            if needs_input:
+                self._send_grad(step, g, vs, inp, p)
+            return t0, t1
+        final = a == self.final
         if reduce is not None and final:
             with talking_to_peers("arming the gradient sum"):
                 reduce.arm()  # the gradients become final in this backward: all-reduce as they do
-        split = (final and not c.first and inp.requires_grad and out.requires_grad and not self.recipe.checkpointing
+        split = (final and needs_input and out.requires_grad and not self.recipe.checkpointing
                  and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
         if split:
             # the previous stage's last backward waits for this input gradient: send it
             # before computing the weight gradients, so the pipeline drains sooner
-            _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], self.stage.parameters())
-            self._send_grad(step, g, inp)
-            stage_backward_weight(self.stage.parameters(), groups)
+            _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(self.params[vs]))
+            self._send_grad(step, g, vs, inp, p)
+            stage_backward_weight(iter(self.params[vs]), groups)
         elif out.requires_grad:
             torch.autograd.backward(out, grad)
         t1 = time.time()
         p.live -= 1
-        if not split and not c.first and inp.requires_grad:
-            self._send_grad(step, g, inp)
+        if not split and needs_input:
+            self._send_grad(step, g, vs, inp, p)
         return t0, t1
 
-    def _send_grad(self, step: int, g: int, inp: torch.Tensor) -> None:
+    def _weights(self, a, p: _Progress) -> tuple[float, float]:
+        """W: the weight gradients of a chunk for one microbatch (split schedules)."""
+        how, what = p.weights.pop((a.stage, a.mb))
+        if self.reduce is not None and a == self.final:
+            with talking_to_peers("arming the gradient sum"):
+                self.reduce.arm()
+        t0 = time.time()
+        if how == "groups":
+            stage_backward_weight(iter(self.params[a.stage]), what)
+        elif how == "whole" and what[0].requires_grad:
+            torch.autograd.backward(what[0], what[1])
+        t1 = time.time()
+        p.live -= 1
+        return t0, t1
+
+    def _send_grad(self, step: int, g: int, vs: int, inp: torch.Tensor, p: _Progress) -> None:
+        c = self.cell
+        grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
+        if c.local(vs - 1):
+            p.handed[("grad", c.key(g, vs - 1))] = grad
+            return
         with talking_to_peers(f"sending the gradient of microbatch {g}"):
-            self.tr.send(step, "grad", g, inp.grad)
+            self.tr.send_to(c.owner(vs - 1), step, "grad", c.key(g, vs - 1), grad)

@@ -22,7 +22,7 @@ import ray
 
 from actors.checkpoints import CheckpointWriter
 from actors.failures import JobFailure
-from actors.state import subset_state
+from actors.state import layer_of, subset_state
 from actors.workergroup import WorkerGroup
 from service import checkpoint, shards
 
@@ -45,15 +45,16 @@ class StateKeeper:
     # ---------------------------------------------------------------- the off-node copy
 
     def _holders(self) -> dict:
-        """Per stage, who keeps its copy: a worker cell on a node that runs no replica of the
-        stage (spread over the candidates), else None: the scheduler."""
+        """Per virtual stage (model chunk), who keeps its copy: a worker cell on a node that
+        runs no replica of it (spread over the candidates), else None: the scheduler."""
         g = self.group
         load: dict = {c: 0 for c in g.workers}
         out = {}
-        for s, (lo, hi) in enumerate(g.shape.bounds):
+        for vs, (lo, hi) in enumerate(g.shape.bounds):
+            s = g.shape.owner(vs)
             nodes = {g.node_of((r, s)) for r in range(g.shape.dp)}
             others = sorted((c for c in g.workers if g.node_of(c) not in nodes), key=lambda c: (load[c], c))
-            out[s] = others[0] if others else None
+            out[vs] = others[0] if others else None
             if others:
                 load[others[0]] += hi - lo
         return out
@@ -70,11 +71,11 @@ class StateKeeper:
         t0 = time.monotonic()
         g = self.group
         calls = {}
-        for s, holder in self._holders().items():
-            lo, hi = g.shape.bounds[s]
-            source = g.workers[(0, s)]
+        for vs, holder in self._holders().items():
+            lo, hi = g.shape.bounds[vs]
+            source = g.workers[(0, g.shape.owner(vs))]
             if holder is None:
-                calls[(lo, hi)] = [(None, source.snapshot.remote(committed))]
+                calls[(lo, hi)] = [(None, source.snapshot.remote(committed, False, (lo, hi)))]
             else:  # the peer keeps it, and so does the source until a newer copy is complete
                 h = g.workers[holder]
                 calls[(lo, hi)] = [([h, source], h.keep_copy.remote((lo, hi), source, committed))]
@@ -131,8 +132,9 @@ class StateKeeper:
         if self.complete is not None and self.complete >= wanted:
             return True
         g = self.group
-        calls = {(lo, hi): [(None, g.workers[(r, s)].snapshot.remote(wanted)) for r in range(g.shape.dp)]
-                 for s, (lo, hi) in enumerate(g.shape.bounds)}
+        calls = {(lo, hi): [(None, g.workers[(r, g.shape.owner(vs))].snapshot.remote(wanted, False, (lo, hi)))
+                            for r in range(g.shape.dp)]
+                 for vs, (lo, hi) in enumerate(g.shape.bounds)}
         return self._fetch(wanted, calls, time.monotonic(), timeout=3.0)
 
     @property
@@ -195,13 +197,25 @@ class StateKeeper:
         """Every stage writes its shard of the final model (service/shards.py) where ``out``
         says; returns the index (``metadata.order``: the model's names in state_dict order)."""
         entries = self._from_stages("write_final", committed, committed, out)
-        order = [n for e in entries for n in e["names"]]
+        order = sorted((n for e in entries for n in e["names"]), key=layer_of)  # stable: a layer's own order
         return shards.index_of(entries, {"format": "pt", "step": committed, "order": order})
 
     def checkpoint_now(self, committed: int, spec, record, job_id: str) -> str:
         """A checkpoint of ``committed`` steps, written before this returns (to preempt); its path."""
         self._writer(spec, record, job_id)
         return self.writer.now(committed)
+
+    def due(self, committed: int, spec) -> bool:
+        """Does anything ask the workers for their state after ``committed`` steps (a checkpoint
+        due or owed, an off-node snapshot)?"""
+        snap = spec.elastic.snapshot_every_steps if spec.elastic.enabled else 0
+        if snap and committed % snap == 0:
+            return True
+        if self.writer is not None:
+            return self.writer.due(committed) or self.writer.owed is not None
+        c = spec.checkpoint
+        return bool(self.checkpoint_root and c.every_steps and
+                    (committed % c.every_steps == 0 or committed == spec.training.steps))
 
     def finish_writing(self) -> None:
         """Let the checkpoint being written beside training finish (its event before the job's
@@ -228,18 +242,18 @@ class StateKeeper:
 
     # ---------------------------------------------------------------- where a new shape's layers come from
 
-    def sources(self, bounds: list, assign: dict, committed: int, *, copy: Optional[dict], copy_layers: set,
+    def sources(self, shape, assign: dict, committed: int, *, copy: Optional[dict], copy_layers: set,
                 donors: dict, old_layers: dict, stateless: set) -> dict:
         """Per cell of ``assign``, the refs of the state of the layers its worker lacks: from
         ``copy`` for ``copy_layers``, else exported by a live donor (cell -> worker that held
         them, ``old_layers`` by actor id).  Layers with no state need nothing."""
         if committed == 0:
             return {}
-        total = {i for lo, hi in bounds for i in range(lo, hi)}
+        total = set(range(shape.layers))
         copy_refs: dict = {}  # layers -> one ref, shared by the cells that need them
         out = {}
         for (r, s), h in assign.items():
-            need = set(range(*bounds[s]))
+            need = shape.layers_of(s)
             held = set() if copy_layers == total else old_layers.get(h._actor_id.hex(), set())
             refs = []
             from_copy = set(need & copy_layers)

@@ -27,11 +27,14 @@ class _Held:
 
 
 class TiedGrads:
-    def __init__(self, tied: list[tuple[str, ...]], stage: nn.Module, bounds: list, pp_rank: int):
+    def __init__(self, tied: list[tuple[str, ...]], stage: nn.Module, bounds, pp_rank: int):
         """``tied``: groups of names of the whole model; ``stage``: this worker's layers (named
-        as in the whole model); ``bounds``: every stage's [lo, hi) layers."""
+        as in the whole model); ``bounds``: every stage's [lo, hi) layers, or a dict from each
+        layer to the pipeline rank that holds it (several model chunks per worker)."""
         self.pp_rank = pp_rank
-        owner = lambda name: next(s for s, (lo, hi) in enumerate(bounds) if lo <= layer_of(name) < hi)  # noqa: E731
+        holder = bounds if isinstance(bounds, dict) else {
+            i: s for s, (lo, hi) in enumerate(bounds) for i in range(lo, hi)}
+        owner = lambda name: holder[layer_of(name)]  # noqa: E731
         self.held: list[_Held] = []
         for key, group in enumerate(tied):
             mine = [stage.get_parameter(n) for n in group if owner(n) == pp_rank]

@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 KINDS = {"act": 0, "grad": 1, "tie": 2, "eval": 3}  # "tie": a tied parameter's gradient, between any two
 # stages; "eval": an evaluation's activation (forward only)
-FORWARD = ("act", "eval")  # kinds that flow to the next stage
 RECV_AHEAD = 2  # receives kept posted ahead of the one being waited for
 INLINE_PART = 96 * 1024    # Ray inlines call arguments up to 100 KiB serialized (max_direct_call_object_size)
 INLINE_MAX = 384 * 1024    # above this, one object-store object costs less than many inline parts (measured)
@@ -107,24 +106,18 @@ class ObjectStoreTransport:
         self.inbox, self.row, self.stage = inbox, row, stage
         self.device, self.timeout, self.gen = device, timeout, gen
 
-    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        self.send_to(self.stage + 1 if kind in FORWARD else self.stage - 1, step, kind, mb, tensor)
-
     def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None:
         shape, parts = to_wire(tensor)
         self.row[stage].deliver.options(num_returns=0).remote(self.gen, step, kind, key, shape, *parts)
 
     def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor:
-        return self.recv(step, kind, key, like)
+        return from_wire(self.inbox.take((step, kind, key), self.timeout), self.device)
 
     def begin_step(self, step: int, expected: list) -> None:
         pass
 
     def drop(self) -> None:
         pass
-
-    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
-        return from_wire(self.inbox.take((step, kind, mb), self.timeout), self.device)
 
     def finish_step(self) -> None:
         pass
@@ -137,54 +130,40 @@ class CollectiveTransport:
     def __init__(self, row_ranks: list[int], stage: int, device: torch.device):
         """``row_ranks``: the process-group rank of every stage of this worker's replica."""
         self.ranks, self.device = row_ranks, device
-        self.prev_rank = row_ranks[stage - 1] if stage > 0 else None
-        self.next_rank = row_ranks[stage + 1] if stage + 1 < len(row_ranks) else None
         self._pending: list = []
-        self._expected: collections.deque = collections.deque()  # (kind, mb, (shape, dtype)) not posted yet
-        self._posted: collections.deque = collections.deque()    # (kind, mb, work, buffer), in order
+        self._expected: collections.deque = collections.deque()  # (kind, key, (shape, dtype), stage) not posted
+        self._posted: collections.deque = collections.deque()    # (kind, key, work, buffer), in order
 
     @staticmethod
-    def _tag(kind: str, mb: int) -> int:
-        return len(KINDS) * mb + KINDS[kind]
-
-    def send(self, step: int, kind: str, mb: int, tensor: torch.Tensor) -> None:
-        dst = self.next_rank if kind in FORWARD else self.prev_rank
-        t = tensor.detach().contiguous()
-        self._pending.append((dist.isend(t, dst=dst, tag=self._tag(kind, mb)), t))
+    def _tag(kind: str, key: int) -> int:
+        return len(KINDS) * key + KINDS[kind]
 
     def send_to(self, stage: int, step: int, kind: str, key: int, tensor: torch.Tensor) -> None:
         t = tensor.detach().contiguous()
         self._pending.append((dist.isend(t, dst=self.ranks[stage], tag=self._tag(kind, key)), t))
 
-    def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor:
-        shape, dtype = like
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=self.ranks[stage], tag=self._tag(kind, key))
-        return buf
-
     def begin_step(self, step: int, expected: list) -> None:
-        """The step's receives, in the order ``recv`` will ask for them: (kind, mb, (shape, dtype))."""
+        """The step's receives, in the order ``recv_from`` will ask for them:
+        (kind, key, (shape, dtype), from stage)."""
         self._expected = collections.deque(expected)
         self._posted.clear()
         self._post()
 
     def _post(self) -> None:
         while self._expected and len(self._posted) < RECV_AHEAD:
-            kind, mb, (shape, dtype) = self._expected.popleft()
+            kind, key, (shape, dtype), stage = self._expected.popleft()
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            src = self.prev_rank if kind in FORWARD else self.next_rank
-            self._posted.append((kind, mb, dist.irecv(buf, src=src, tag=self._tag(kind, mb)), buf))
+            self._posted.append((kind, key, dist.irecv(buf, src=self.ranks[stage], tag=self._tag(kind, key)), buf))
 
-    def recv(self, step: int, kind: str, mb: int, like: tuple) -> torch.Tensor:
-        if self._posted and self._posted[0][:2] == (kind, mb):
+    def recv_from(self, stage: int, step: int, kind: str, key: int, like: tuple) -> torch.Tensor:
+        if self._posted and self._posted[0][:2] == (kind, key):
             _, _, work, buf = self._posted.popleft()
             self._post()  # the next one flows in while this stage computes
             work.wait()
             return buf
-        shape, dtype = like  # a receive nobody announced
-        src = self.prev_rank if kind in FORWARD else self.next_rank
+        shape, dtype = like  # a receive nobody announced (a tied parameter's gradient)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=src, tag=self._tag(kind, mb))
+        dist.recv(buf, src=self.ranks[stage], tag=self._tag(kind, key))
         return buf
 
     def finish_step(self) -> None:

@@ -67,6 +67,7 @@ class Wiring:
         if shm is not None:
             return shm
         overlap = device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
+        overlap = overlap and len(c.chunks) == 1 and not c.split  # several chunks or W actions: summed after the step
         return GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
 
     def leave(self) -> None:

@@ -64,6 +64,7 @@ class StageWorker:
         self.cell: Optional[Cell] = None   # where this worker stands in the current shape
         self.layers: dict[int, nn.Module] = {}   # layer index of the whole model -> module held here
         self.stage = nn.Sequential()
+        self.parts: dict = {}            # virtual stage -> its chunk's layers (the same modules as stage's)
         self.param_names: list[str] = []
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.applied = 0                 # committed steps whose updates are in the parameters
@@ -81,6 +82,9 @@ class StageWorker:
         self.uploads = Uploads()    # checkpoint parts being written in the background
         self._aborted: Optional[int] = None
         self.update: tuple[float, bool] = (1.0, False)  # the pending step's (clip factor, skipped)
+        self._turn = threading.Condition()  # one step at a time, in order (a step's call may come early)
+        self._running = False
+        self._started = -1                  # the newest step begun in this cell
         gc.collect()  # the imports' garbage goes; what lives on (torch's, Ray's objects) is frozen:
         gc.freeze()   # later collections skip it (see Group.leave)
 
@@ -143,17 +147,18 @@ class StageWorker:
             self._committed(committed)
             return self._state(set(layers))
 
-    def snapshot(self, committed: int, keep: bool = False) -> Optional[dict]:
+    def snapshot(self, committed: int, keep: bool = False, layers: Optional[tuple] = None) -> Optional[dict]:
         """A copy of this stage's committed state, or None if the worker has moved on.  With
         ``keep`` the copy also stays here until a newer one is complete (``drop_copies``): if
         another stage is lost before its copy of this step lands, every stage goes back to
-        the previous step, and this one's is then here."""
+        the previous step, and this one's is then here.  ``layers``: only the chunk [lo, hi)."""
+        lo, hi = layers or self.cell.layers
         with self._lock:
             if self.pending == committed - 1:
                 self._settle(committed)
-            state = self._state() if self.applied == committed else None
+            state = self._state(set(range(lo, hi)) if layers else None) if self.applied == committed else None
         if state is not None and keep:
-            self.copies.keep(self.cell.layers, committed, state)
+            self.copies.keep((lo, hi), committed, state)
         return state
 
     # ---------------------------------------------------------------- peer copies
@@ -166,7 +171,7 @@ class StageWorker:
         import ray
 
         with talking_to_peers(f"fetching a copy of layers {layers[0]}-{layers[1] - 1}"):
-            state = ray.get(source.snapshot.remote(committed, keep=True), timeout=self.timeout)
+            state = ray.get(source.snapshot.remote(committed, keep=True, layers=tuple(layers)), timeout=self.timeout)
         if state is None:
             return -1
         self.copies.keep(tuple(layers), committed, state)
@@ -253,20 +258,25 @@ class StageWorker:
             committed = cell["committed"]
             self._settle(committed)
             incoming = self._fetch(sources)
-            lo, hi = cell["bounds"][cell["pp_rank"]]
+            self.cell = Cell.from_config(cell, self.spec.microbatches)
+            held = [i for lo, hi in self.cell.ranges for i in range(lo, hi)]
             old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
-            self.layers = self._take_layers(range(lo, hi), committed, {layer_of(k) for k in incoming["model"]})
-            self.stage = nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in range(lo, hi)))
+            self.layers = self._take_layers(held, committed, {layer_of(k) for k in incoming["model"]})
+            self.stage = nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in held))
+            # each model chunk's layers (the same modules): what a virtual stage's actions run
+            self.parts = {vs: nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in range(lo, hi)))
+                          for vs, (lo, hi) in zip(self.cell.chunks, self.cell.ranges)}
             self.bounds = [tuple(b) for b in cell["bounds"]]
             self._load_incoming(incoming["model"])
             self._new_optimizer(old_optim, incoming["optim"])
             self.applied, self.pending = committed, None
-            self.cell = Cell.from_config(cell, self.spec.microbatches)
+            with self._turn:
+                self._started = committed - 1
             self._build_io()
             self.inbox.reset(self.gen)
             self.runner = None
             self._aborted = None
-            return {"node": self.node_id(), "pid": os.getpid(), "layers": [lo, hi]}
+            return {"node": self.node_id(), "pid": os.getpid(), "layers": [list(r) for r in self.cell.ranges]}
 
     def _fetch(self, sources: list) -> dict:
         import ray
@@ -282,7 +292,7 @@ class StageWorker:
             parts.append(src)
         return merge_states(parts) if parts else empty()
 
-    def _take_layers(self, wanted: range, committed: int, covered: set[int]) -> dict[int, nn.Module]:
+    def _take_layers(self, wanted: list[int], committed: int, covered: set[int]) -> dict[int, nn.Module]:
         """The modules of layers ``wanted``: kept if held here, else built (only these: a layer
         list builds each layer alone); a layer with state built after step 0 must have a copy
         among ``covered``."""
@@ -346,9 +356,10 @@ class StageWorker:
                         global_norm=needs_global_norm(self.spec), device=self.device)
         copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
         norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
+        holder = {i: c.owner(vs) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
         self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
-                                 self.mbs / self.B, TiedGrads(self.recipe.tied, self.stage, self.bounds, c.pp_rank),
-                                 recipe, norm_params)
+                                 self.mbs / self.B, TiedGrads(self.recipe.tied, self.stage, holder, c.pp_rank),
+                                 recipe, norm_params, parts=self.parts)
         return True
 
     def _leave_group(self) -> None:
@@ -370,13 +381,33 @@ class StageWorker:
     def _my_batch(self, step: int):
         c, t = self.cell, self.spec.training
         idx = step_indices(step, len(self.samples), self.B, t.seed, t.shuffle)
-        idx = idx[c.mb0 * self.mbs:(c.mb0 + len(c.actions) // 2) * self.mbs]
+        idx = idx[c.mb0 * self.mbs:(c.mb0 + c.m) * self.mbs]
         return microbatches(self.samples, idx, self.mbs, c.first, c.last, self.device)
 
     def run_step(self, step: int) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
-        all-reduce the gradients, and leave the update pending until step is committed."""
+        all-reduce the gradients, and leave the update pending until step is committed.
+
+        The call for a step may come while the step before still runs (a fixed-shape job's
+        scheduler sends it early, actors/controller.py ``_may_queue``): it waits for that step
+        to end, and its coming is that step's commit."""
         called = time.time()
+        with self._turn:
+            deadline = time.monotonic() + self.timeout
+            while self._running or self._started < step - 1:  # the step before has not ended (or begun)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{self!r} waited {self.timeout:.0f} s to run step {step + 1}: step "
+                                       f"{step} did not end here")
+                self._turn.wait(0.5)
+            self._running, self._started = True, step
+        try:
+            return self._run_step(step, called)
+        finally:
+            with self._turn:
+                self._running = False
+                self._turn.notify_all()
+
+    def _run_step(self, step: int, called: float) -> dict:
         with self._lock:
             self._settle(step)
             if self.applied != step:
@@ -416,7 +447,7 @@ class StageWorker:
     def _eval_batches(self):
         """This replica's microbatches of each evaluation batch (the first eval.batches x B
         samples of eval.data, in order): inputs on the first stage, targets on the last."""
-        c, m = self.cell, len(self.cell.actions) // 2
+        c, m = self.cell, self.cell.m
         if not (c.first or c.last):
             return None, None
         if self.eval_samples is None:

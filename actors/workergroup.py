@@ -151,14 +151,14 @@ class WorkerGroup:
         self.gen += 1
         calls = {(r, s): h.configure.remote(
             {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds,
-             "boundary": boundary, "schedule": p.schedule, "committed": committed}, sources.get((r, s), []))
+             "boundary": boundary, "schedule": p.schedule, "chunks": shape.chunks, "committed": committed}, sources.get((r, s), []))
             for (r, s), h in assign.items()}
         phase = "while taking its cell" if self.gen > 1 else "while starting"
         t0 = time.time()
         infos = self.gather(calls, None, self.start_timeout, phase)
         t1 = time.time()
         self.workers = dict(assign)
-        self.where = {c: {"node": infos[c]["node"], "layers": tuple(infos[c]["layers"]),
+        self.where = {c: {"node": infos[c]["node"], "layers": tuple(tuple(r) for r in infos[c]["layers"]),
                           "name": self.names.get(h._actor_id.hex(), "")} for c, h in assign.items()}
         self._connect(shape, phase)
         self.shape = shape
@@ -174,7 +174,7 @@ class WorkerGroup:
         self.gather(conns, None, self.start_timeout, phase)
 
     def layers_of(self, c: Cell) -> set[int]:
-        return set(range(*self.where[c]["layers"])) if c in self.where else set()
+        return {i for lo, hi in self.where[c]["layers"] for i in range(lo, hi)} if c in self.where else set()
 
     def node_of(self, c: Cell) -> Optional[str]:
         return self.where.get(c, {}).get("node")

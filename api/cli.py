@@ -10,9 +10,19 @@ from fractions import Fraction
 def _schedule(args) -> int:
     from service import schedules
 
+    def cost(text: str, flag: str) -> Fraction:
+        try:
+            return Fraction(text)
+        except (ValueError, ZeroDivisionError):
+            raise ValueError(f"{flag} must be a number like 2, 1.5 or 3/2; got {text!r}") from None
+
+    chunks = args.stages_per_worker
+    if chunks is None:  # the schedule's default, as parallelism.stages_per_worker's
+        chunks = 2 if args.schedule in schedules.CHUNKED else 1
     try:
-        plan = schedules.build(args.schedule, args.stages, args.microbatches)
-        print(schedules.render_grid(plan, Fraction(args.backward_cost)))
+        plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks)
+        weight = None if args.weight_cost is None else cost(args.weight_cost, "--weight-cost")
+        print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight))
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
         return 2
@@ -360,11 +370,21 @@ def _local_commands(sub) -> None:
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(fn=_run)
 
+    from service.schedules import SCHEDULES
+
     sch = sub.add_parser("schedule", help="print a pipeline schedule as a stage x time grid")
-    sch.add_argument("--stages", type=int, required=True)
+    sch.add_argument("--stages", type=int, required=True, help="pipeline workers (p)")
     sch.add_argument("--microbatches", type=int, required=True)
-    sch.add_argument("--schedule", choices=["gpipe", "1f1b"], default="1f1b")
-    sch.add_argument("--backward-cost", default="2", help="backward time in units of forward time (default 2)")
+    sch.add_argument("--schedule", choices=SCHEDULES, default="1f1b")
+    sch.add_argument("--stages-per-worker", type=int, default=None, metavar="V",
+                     help="model chunks per worker: 1 for gpipe, 1f1b, zb_h1; any for interleaved_1f1b "
+                          "(default 2); 2 for zbv (the default)")
+    sch.add_argument("--backward-cost", default="2",
+                     help="backward time in units of forward time (default 2); without --weight-cost the "
+                          "whole backward (zb_h1, zbv: B and W half each), with it the input gradient B")
+    sch.add_argument("--weight-cost", default=None,
+                     help="weight-gradient time W in units of forward time (default: half of --backward-cost "
+                          "for zb_h1 and zbv); 1f1b, gpipe, interleaved_1f1b run B + W as one backward")
     sch.set_defaults(fn=_schedule)
 
     srv = sub.add_parser("serve", help="run the REST API server (control plane)")

@@ -77,7 +77,7 @@ def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
     mem = res.memory_per_worker_mb
     return planner.plan(slots, facts, spec.training.global_batch_size, spec.training.microbatch_size,
                         preferred=(p.dp, p.pp), min_workers=e.min_workers, max_workers=e.max_workers,
-                        schedule=p.schedule, transport=p.transport, optimizer=spec.optimizer.name,
+                        schedule=p.schedule, chunks=p.chunks, transport=p.transport, optimizer=spec.optimizer.name,
                         partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
                         current=current, min_gain=e.min_gain)
 

@@ -383,10 +383,21 @@ def check_structure(spec: JobSpec, search: Sequence[str] = ()) -> ModelRecipe:
 
 
 def _check_model(spec: JobSpec, layers: int) -> None:
-    pp = spec.parallelism.pp
+    p = spec.parallelism
+    pp, v = p.pp, p.chunks
     if pp > layers:
         raise SpecError(f"parallelism.pp is {pp} but the model has only {layers} layers (entries of its "
                         f"nn.Sequential or layer list); use pp <= {layers} or split the model into more layers")
+    if pp * v > layers:
+        raise SpecError(f"parallelism.schedule {p.schedule} with pp {pp} and stages_per_worker {v} cuts the model "
+                        f"into {pp * v} chunks of at least one layer, but it has only {layers} layers (entries of its "
+                        f"nn.Sequential or layer list); lower stages_per_worker or pp so that pp x stages_per_worker "
+                        f"<= {layers}, or split the model into more layers")
+    if p.schedule in ("zb_h1", "zbv") and spec.training.activation_checkpointing:
+        raise SpecError(f"parallelism.schedule {p.schedule} splits each backward into its input gradient and its "
+                        "weight gradient, which training.activation_checkpointing does not allow (the recomputed "
+                        "forward is freed by the first half); use 1f1b or interleaved_1f1b with checkpointing, or "
+                        "turn activation_checkpointing off")
     part = spec.parallelism.partition
     if isinstance(part, list) and sum(part) != layers:
         raise SpecError(f"parallelism.partition {part} covers {sum(part)} layers but the model has {layers}; "

@@ -5,25 +5,44 @@ microbatch size never change; the planner picks (dp, pp), the stage partition an
 microbatches per replica (M / dp) that maximise modelled throughput among the shapes that
 fit the slots, the elastic range and each worker's memory.
 
-The model of one step, per replica, for both 1F1B and GPipe::
+The model is cut into pp x v virtual stages (model chunks; v = ``chunks`` =
+``parallelism.stages_per_worker``: 1 for gpipe, 1f1b and zb_h1, v for interleaved_1f1b, 2 for
+zbv), placed on the pp workers as the schedule says (service/schedules.py ``placement``: "loop",
+chunk k on worker k mod pp, or zbv's "v", worker i holds chunks i and 2pp-1-i).  The model of
+one step, per replica, for every schedule::
 
-    step = (m + pp - 1) * slot + allreduce
-    slot = max over stages of (forward+backward seconds of the stage's layers for one microbatch)
-           + 2 hops (activation out, gradient back) when pp > 1
-    allreduce = ring all-reduce of the largest stage's parameters among dp replicas
+    step = units * slot + allreduce
+    units = makespan of the schedule's plan for (pp, m, v) simulated with a forward of 1, a
+            backward of 2 (split schedules: B 1 + W 1; each action of a chunked schedule 1/v),
+            divided by 3 (one microbatch's forward + backward on one worker)
+          = m + pp - 1 for gpipe and 1f1b; about m + (pp - 1) / v for interleaved_1f1b;
+            about m + (pp - 1) / 3 for zb_h1 (the deferred W fills most of the bubble)
+    slot = max over workers of (forward+backward seconds of the layers of all its chunks for one
+           microbatch + one hop per chunk boundary that crosses workers, activation out or
+           gradient back: 2 per chunk with pp > 1, less the model's two ends; zbv's turn at
+           worker pp-1 is local)
+    allreduce = ring all-reduce of the largest worker's parameters among dp replicas
 
-with per-transport hop costs and an all-reduce bandwidth measured on the development machine
-(see README: "How the planner decides").  Memory of a worker: parameters x (2 + optimizer slots)
-plus the activations it holds (1F1B: pp - stage microbatches at most; GPipe: all m), each what
-autograd saves of its layers (traced), or with activation checkpointing only each layer's input,
-plus one layer's recomputation; checkpointing costs one more forward (compute x 4/3).
+i.e. the plan's makespan in units of the slowest worker's forward+backward, scaled to its
+seconds (gpipe and 1f1b use the closed form, the others a cached simulation).  Hop costs per
+transport and the all-reduce bandwidth were measured on the development machine (see README:
+"How the planner decides").  Memory of a worker: parameters of all its chunks x (2 + optimizer
+slots) plus the activations it holds at the plan's peak: the most (chunk, microbatch) pairs
+between a forward and the backward that frees them (the W of split schedules), as a fraction of
+one microbatch's activations of its whole share (``schedules.peak_activation_fraction``; 1F1B:
+pp - stage microbatches at most; GPipe: all m), each what autograd saves of its layers (traced),
+or with activation checkpointing only each layer's input, plus one layer's recomputation;
+checkpointing costs one more forward (compute x 4/3).
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Optional, Sequence, Union
 
-from service import partition
+from service import partition, schedules
 
 # seconds = latency + bytes * per_byte, measured between two actors on one machine
 HOP_COST = {"object_store": (3.0e-3, 8.0e-3 / 2**20), "collective": (0.3e-3, 0.55e-3 / 2**20)}
@@ -68,10 +87,33 @@ class LayerFacts:
 class Shape:
     dp: int
     pp: int
-    sizes: tuple[int, ...]             # layers per stage
+    sizes: tuple[int, ...]             # layers per virtual stage (model chunk): pp x chunks entries
     microbatches_per_replica: int
     step_s: float                      # modelled seconds per step
     memory_bytes: int                  # modelled peak bytes of the fullest worker
+    chunks: int = 1                    # model chunks per worker (parallelism.stages_per_worker)
+    placement: str = "loop"            # how chunks sit on workers (service/schedules.py: placement)
+
+    @property
+    def virtual(self) -> int:
+        """Virtual stages: pp x chunks."""
+        return self.pp * self.chunks
+
+    def owner(self, vs: int) -> int:
+        """The pipeline rank that holds virtual stage ``vs``."""
+        return schedules.owner(vs, self.pp, self.placement)
+
+    def ranges(self, rank: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each model chunk pipeline rank ``rank`` holds, in model order."""
+        b = self.bounds
+        return [b[vs] for vs in schedules.chunks_of(rank, self.pp, self.chunks, self.placement)]
+
+    @property
+    def layers(self) -> int:
+        return sum(self.sizes)
+
+    def layers_of(self, rank: int) -> set[int]:
+        return {i for lo, hi in self.ranges(rank) for i in range(lo, hi)}
 
     @property
     def workers(self) -> int:
@@ -112,33 +154,70 @@ def hop_seconds(transport: str, nbytes: int) -> float:
 
 def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, schedule: str = "1f1b",
                 transport: str = "collective", optimizer: str = "adam",
-                partition_rule: Union[str, list[int]] = "balanced") -> Shape:
-    """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp <= layers)."""
+                partition_rule: Union[str, list[int]] = "balanced", chunks: int = 1) -> Shape:
+    """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp x chunks <=
+    layers); ``chunks``: model chunks per worker, as the schedule requires (see the module's
+    docstring)."""
+    _check_chunks(schedule, chunks)
     m = microbatches // dp
-    if isinstance(partition_rule, list) and len(partition_rule) == pp:
+    virtual = pp * chunks
+    if isinstance(partition_rule, list) and len(partition_rule) == virtual:
         sizes = list(partition_rule)
     elif partition_rule == "uniform":
-        sizes = partition.uniform(facts.layers, pp)
+        sizes = partition.uniform(facts.layers, virtual)
     else:
-        sizes = partition.balanced(facts.seconds, pp)
+        sizes = partition.balanced(facts.seconds, virtual)
+    where = schedules.placement(schedule)
+    units, peaks = _plan_model(schedule, pp, m, chunks)
+    bounds = partition.bounds(sizes)
     slot, ar, mem = 0.0, 0.0, 0
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
-    for i, (lo, hi) in enumerate(partition.bounds(sizes)):
-        compute = sum(facts.seconds[lo:hi]) * (4 / 3 if facts.checkpointing else 1)  # + one more forward
-        comm = 0.0
-        if pp > 1:
-            if i < pp - 1:
+    for rank in range(pp):
+        compute = comm = 0.0
+        params = held = recompute = 0
+        for vs in schedules.chunks_of(rank, pp, chunks, where):
+            lo, hi = bounds[vs]
+            compute += sum(facts.seconds[lo:hi]) * (4 / 3 if facts.checkpointing else 1)  # + one more forward
+            if vs < virtual - 1 and schedules.owner(vs + 1, pp, where) != rank:
                 comm += hop_seconds(transport, facts.activation_bytes[hi - 1])
-            if i > 0:
+            if vs > 0 and schedules.owner(vs - 1, pp, where) != rank:
                 comm += hop_seconds(transport, facts.activation_bytes[lo - 1])
+            params += sum(facts.param_bytes[lo:hi])
+            held += facts.held_bytes(lo, hi, facts.activation_bytes[lo - 1] if lo > 0 else 0)
+            recompute = max(recompute, facts.recompute_bytes(lo, hi))
         slot = max(slot, compute + comm)
-        params = sum(facts.param_bytes[lo:hi])
         if dp > 1:
             ar = max(ar, 2 * (dp - 1) * ALLREDUCE_LATENCY_S + 2 * (dp - 1) / dp * params / ALLREDUCE_BYTES_PER_S)
-        in_flight = m if schedule == "gpipe" else min(m, pp - i)
-        held = facts.held_bytes(lo, hi, facts.activation_bytes[lo - 1] if lo > 0 else 0)
-        mem = max(mem, params * slots_per_param + in_flight * held + facts.recompute_bytes(lo, hi))
-    return Shape(dp, pp, tuple(sizes), m, (m + pp - 1) * slot + ar, mem)
+        mem = max(mem, params * slots_per_param + math.ceil(peaks[rank] * held) + recompute)
+    return Shape(dp, pp, tuple(sizes), m, units * slot + ar, mem, chunks=chunks, placement=where)
+
+
+def _check_chunks(schedule: str, chunks: int) -> None:
+    """Raise ValueError unless ``chunks`` model chunks per worker suit ``schedule``."""
+    if schedule == "zbv" and chunks != 2:
+        raise ValueError(f"zbv places 2 model chunks on each worker, not {chunks} "
+                         f"(parallelism.stages_per_worker must be 2)")
+    if schedule not in schedules.CHUNKED and chunks != 1:
+        raise ValueError(f"{schedule} places 1 model chunk on each worker, not {chunks} "
+                         f"(parallelism.stages_per_worker must be 1)")
+    if chunks < 1:
+        raise ValueError(f"parallelism.stages_per_worker must be at least 1, got {chunks}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan_model(schedule: str, pp: int, m: int, chunks: int) -> tuple[float, tuple[Fraction, ...]]:
+    """``(units, peaks)`` of the plan of ``schedule`` for ``pp`` workers, ``m`` microbatches and
+    ``chunks`` chunks per worker: its makespan in units of one microbatch's forward+backward on a
+    worker (forward 1, backward 2), and per worker its peak held activations in units of one
+    microbatch's activations of the worker's whole share.  GPipe and 1F1B in closed form (what
+    their simulation gives), the others simulated; cached, as the planner models many shapes."""
+    if schedule == "gpipe" and chunks == 1:
+        return float(m + pp - 1), tuple(Fraction(m) for _ in range(pp))
+    if schedule == "1f1b" and chunks == 1:
+        return float(m + pp - 1), tuple(Fraction(min(m, pp - i)) for i in range(pp))
+    plan = schedules.build(schedule, pp, m, chunks)
+    units = float(Fraction(schedules.simulate(plan).makespan) / 3)
+    return units, tuple(Fraction(f).limit_denominator(10**6) for f in schedules.peak_activation_fraction(plan))
 
 
 def _closeness(s: Shape, preferred: tuple[int, int]) -> tuple:
@@ -149,38 +228,40 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
          preferred: tuple[int, int], min_workers: int = 1, max_workers: int = 16,
          schedule: str = "1f1b", transport: str = "collective", optimizer: str = "adam",
          partition_rule: Union[str, list[int]] = "balanced", memory_bytes: Optional[float] = None,
-         current: Optional[tuple[int, int]] = None, min_gain: float = 0.10) -> Decision:
-    """Choose the shape for ``slots`` alive worker slots.
+         current: Optional[tuple[int, int]] = None, min_gain: float = 0.10, chunks: int = 1) -> Decision:
+    """Choose the shape for ``slots`` alive worker slots (``chunks``: model chunks per worker,
+    ``parallelism.stages_per_worker``).
 
     - Only shapes with dp x pp in [min_workers, min(slots, max_workers)], M % dp == 0,
-      pp <= layers and (when ``memory_bytes`` is given) a fitting stage are considered.
+      pp x chunks <= layers and (when ``memory_bytes`` is given) a fitting stage are considered.
     - The fastest modelled shape wins, except that the preferred shape is kept when it is
       within ``min_gain`` of the fastest, and so is ``current`` (a voluntary reshape, e.g. a
       scale-up, must gain at least ``min_gain``; ``current`` is None after a loss).
     """
+    _check_chunks(schedule, chunks)
     M = global_batch // microbatch
     cap = min(slots, max_workers)
     if cap < min_workers:
         return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive, "
                               f"the job needs at least elastic.min_workers={min_workers}", slots)
     shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, schedule=schedule, transport=transport,
-                                  optimizer=optimizer, partition_rule=partition_rule)
+                                  optimizer=optimizer, partition_rule=partition_rule, chunks=chunks)
     if not shapes:
         return _wait_for_a_fit(slots, M, min_workers, cap, memory_bytes, too_big)
     return _choose(shapes, slots, preferred, current, min_gain)
 
 
 def _candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, memory_bytes: Optional[float],
-                **model) -> tuple[list[Shape], list[Shape]]:
+                chunks: int = 1, **model) -> tuple[list[Shape], list[Shape]]:
     """Every shape of ``min_workers..cap`` workers whose replicas share the ``M`` microbatches
-    evenly, modelled (``model``: :func:`model_shape`'s keywords): those that fit
-    ``memory_bytes`` and those too big."""
+    evenly and whose pp x ``chunks`` virtual stages each get a layer, modelled (``model``:
+    :func:`model_shape`'s other keywords): those that fit ``memory_bytes`` and those too big."""
     shapes, too_big = [], []
-    for pp in range(1, min(facts.layers, cap) + 1):
+    for pp in range(1, min(facts.layers // chunks, cap) + 1):
         for dp in range(1, cap // pp + 1):
             if M % dp or dp * pp < min_workers:
                 continue
-            s = model_shape(facts, dp, pp, M, **model)
+            s = model_shape(facts, dp, pp, M, chunks=chunks, **model)
             (too_big if memory_bytes is not None and s.memory_bytes > memory_bytes else shapes).append(s)
     return shapes, too_big
 

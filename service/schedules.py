@@ -1,35 +1,98 @@
 """Pipeline schedules as data.
 
-A schedule is one ordered list of actions per stage, for one step of one replica.
-An action is written like ``1F3`` (stage 1, forward, microbatch 3) and round-trips
-through :meth:`Action.parse`.  Runners (``actors/worker.py``) execute the lists;
+A schedule is one ordered list of actions per worker (pipeline rank), for one step of one
+replica.  An action is written like ``1F3`` (virtual stage 1, forward, microbatch 3) and
+round-trips through :meth:`Action.parse`.  Runners (``actors/worker.py``) execute the lists;
 everything here is pure and tested without Ray.
+
+Words: p workers, M microbatches, v model chunks (virtual stages) per worker, p x v virtual
+stages in all; an action's ``stage`` is its virtual stage, which is the worker's rank when
+v = 1.  Kinds: F forward, B backward (the input gradient only in a split schedule, what the
+previous stage waits for), W weight gradient (split schedules: zb_h1, zbv; it needs only its
+own B, so it can wait to fill a bubble).  Diagrams below: one cell = the shortest action.
 
 GPipe (all-forward-all-backward), 2 stages, 3 microbatches, backward = forward::
 
     stage 0: 0F0 0F1 0F2         0B0 0B1 0B2
     stage 1:     1F0 1F1 1F2 1B0 1B1 1B2
 
-1F1B keeps at most ``p - i`` microbatches in flight on stage ``i``::
+1F1B keeps at most ``p - i`` microbatches in flight on stage ``i``; it idles (p-1)(F+B)
+per worker (B: the whole backward)::
 
     stage 0: 0F0 0F1     0B0 0F2 0B1     0B2
     stage 1:     1F0 1B0 1F1 1B1 1F2 1B2
+
+ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Figure 3 top): 1F1B's
+order, each backward split into B and W, worker i's W lagging its B by i microbatches; the
+later workers' W's fill the tail, so with M >= p it idles (p-1)(F+B-W) per worker when W <= F
+(a third of 1F1B's at F = B = W; (p-1)B when W > F), with 1F1B's peak memory (p microbatches,
+now on every worker)::
+
+    stage 0: 0F0 0F1     0B0 0W0 0F2 0B1 0W1 0B2 0W2
+    stage 1:     1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1W2
+
+Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM, section 2.2.2 and Figure 4 lower): v
+chunks per worker in loop placement (chunk k on worker k mod p); forwards by rounds of p
+microbatches, chunk 0 then chunk 1 ...; each action 1/v as long; it idles (p-1)(F+B)/v per
+worker (any M >= p), for p + (p-1)/v microbatches' activations on worker 0 (M a multiple of
+p).  Any M: when p does not divide it, the M // p rounds differ by one microbatch (torch
+refuses M that its round count does not divide).  p=2, v=2, M=4, backward = forward::
+
+    stage 0: 0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1     2B2     2B3 0B2 0B3
+    stage 1:     1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+
+ZB-V (Qi et al., arXiv 2401.10241 section 6, on the V-shape of their "Pipeline Parallelism
+with Controllable Memory"; the zero-bubble repository's handcrafted schedule, torch's
+ScheduleZBVZeroBubble): 2 chunks per worker in a V (worker i holds chunks i and 2p-1-i, so
+the first and the last chunk sit on worker 0), split backward.  At F = B = W and M >= 2p-1
+no worker stalls between its first and its last action; what idles is the start-up skew,
+p-1 chunk forwards, (p-1)F/2 per worker; peak memory p microbatches on every worker, as
+1F1B's worker 0.  p=2, M=4 (one cell: a chunk's action, half a worker's forward)::
+
+    stage 0: 0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3 0B2 0W2 0B3 0W3
+    stage 1:     1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3 1B3 1W2 2W3 1W3
+
+The orders of interleaved_1f1b, zb_h1 and zbv are torch.distributed.pipelining's
+(ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble on one stage per worker,
+ScheduleZBVZeroBubble) wherever torch defines them; tests/test_schedules.py compares them.
 """
 from __future__ import annotations
 
+import math
 import re
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 
-SCHEDULES = ("gpipe", "1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv")
+CHUNKED = ("interleaved_1f1b", "zbv")     # schedules that place several model chunks on each worker
+SPLIT = ("zb_h1", "zbv")                  # schedules whose backward is split into B (input) and W (weight)
 
-_ACTION_RE = re.compile(r"^(\d+)([FBE])(\d+)$")
+
+def placement(name: str) -> str:
+    """How a schedule's model chunks (virtual stages) sit on the workers: ``"v"`` for ZB-V
+    (worker i holds chunks i and 2p-1-i), ``"loop"`` for the others (chunk k on worker k mod p)."""
+    return "v" if name == "zbv" else "loop"
+
+
+def owner(vs: int, workers: int, where: str = "loop") -> int:
+    """The worker (pipeline rank) that holds virtual stage ``vs`` of ``where`` placement."""
+    k, i = divmod(vs, workers)
+    return workers - 1 - i if where == "v" and k % 2 else i
+
+
+def chunks_of(rank: int, workers: int, chunks: int, where: str = "loop") -> list[int]:
+    """The virtual stages of pipeline rank ``rank``, in model order."""
+    return [vs for vs in range(workers * chunks) if owner(vs, workers, where) == rank]
+
+_ACTION_RE = re.compile(r"^(\d+)([FBWE])(\d+)$")
 
 
 @dataclass(frozen=True, order=True)
 class Action:
-    stage: int
-    kind: str  # "F" or "B"; "E" in a measured timeline: a forward of the evaluation after the step
+    stage: int  # the virtual stage (model chunk) 0..p*v-1; the worker's rank when v = 1
+    kind: str   # "F", "B" (input gradient; the whole backward if not split), "W" (weight gradient);
+                # "E" in a measured timeline: a forward of the evaluation after the step
     mb: int
 
     def __str__(self) -> str:
@@ -45,22 +108,43 @@ class Action:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Per-stage ordered action lists for one replica's step."""
+    """Per-worker ordered action lists for one replica's step: ``order[rank]`` is what pipeline
+    rank ``rank`` runs (several virtual stages' actions interleaved when ``chunks`` > 1)."""
 
     name: str
-    stages: int
+    stages: int          # p: workers (pipeline ranks), one row of ``order`` each
     microbatches: int
     order: tuple[tuple[Action, ...], ...]
+    chunks: int = 1      # v: model chunks (virtual stages) per worker
+
+    @property
+    def virtual(self) -> int:
+        """Virtual stages (model chunks) of the whole pipeline: p x v."""
+        return self.stages * self.chunks
+
+    @property
+    def where(self) -> str:
+        """Chunk placement: ``"v"`` (zbv) or ``"loop"``; see :func:`placement`."""
+        return placement(self.name)
+
+    @property
+    def split(self) -> bool:
+        """Its backward is split into B and W (a split schedule, or a plan that has W actions)."""
+        return self.name in SPLIT or any(a.kind == "W" for acts in self.order for a in acts)
 
     def __str__(self) -> str:
         return "\n".join(" ".join(str(a) for a in acts) for acts in self.order)
 
     @classmethod
-    def from_text(cls, text: str, name: str = "custom") -> "Schedule":
+    def from_text(cls, text: str, name: str = "custom", chunks: int | None = None) -> "Schedule":
+        """One line per worker; ``chunks`` defaults to what the highest virtual stage implies."""
         rows = [line.split() for line in text.strip().splitlines()]
         order = tuple(tuple(Action.parse(a) for a in row) for row in rows)
         mbs = {a.mb for row in order for a in row}
-        return cls(name, len(order), len(mbs), order)
+        if chunks is None:
+            top = max((a.stage for row in order for a in row), default=0)
+            chunks = max(1, -(-(top + 1) // max(len(order), 1)))
+        return cls(name, len(order), len(mbs), order, chunks)
 
 
 def gpipe(stages: int, microbatches: int) -> Schedule:
@@ -88,12 +172,126 @@ def one_f_one_b(stages: int, microbatches: int) -> Schedule:
     return Schedule("1f1b", stages, microbatches, tuple(order))
 
 
-def build(name: str, stages: int, microbatches: int) -> Schedule:
-    if name == "gpipe":
-        return gpipe(stages, microbatches)
-    if name == "1f1b":
-        return one_f_one_b(stages, microbatches)
-    raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+def microbatch_groups(microbatches: int, stages: int) -> list[range]:
+    """The rounds of interleaved 1F1B: ``max(1, M // p)`` runs of consecutive microbatches,
+    as even as possible, the longer first (all of length p when p divides M; torch's
+    ``microbatches_per_round``, which needs M to be a multiple of the round count)."""
+    rounds = max(1, microbatches // stages)
+    size, longer = divmod(microbatches, rounds)
+    out, lo = [], 0
+    for k in range(rounds):
+        hi = lo + size + (k < longer)
+        out.append(range(lo, hi))
+        lo = hi
+    return out
+
+
+def interleaved_one_f_one_b(stages: int, microbatches: int, chunks: int = 2) -> Schedule:
+    """Interleaved 1F1B (Narayanan et al. 2021, Megatron-LM's virtual pipeline): worker r holds
+    chunks r, r+p, ..., r+(v-1)p.  Its forwards go round by round (a round: p microbatches),
+    each round through chunk 0, then chunk 1, ...; its backwards the same rounds, the chunks
+    in reverse.  ``(v-1) x round + 2(p-1-r)`` warm-up forwards, then one forward and one
+    backward, then the remaining backwards.  With ``chunks`` 1 it is plain 1F1B."""
+    _check_sizes(stages, microbatches)
+    if chunks < 1:
+        raise ValueError(f"interleaved_1f1b needs stages_per_worker >= 1; got {chunks}")
+    if chunks == 1:
+        return Schedule("interleaved_1f1b", stages, microbatches, one_f_one_b(stages, microbatches).order)
+    p, m, v = stages, microbatches, chunks
+    groups = microbatch_groups(m, p)
+    fwd = [(c, j) for g in groups for c in range(v) for j in g]
+    bwd = [(v - 1 - c, j) for g in groups for c in range(v) for j in g]
+    n = m * v
+    order = []
+    for r in range(p):
+        f = [Action(c * p + r, "F", j) for c, j in fwd]
+        b = [Action(c * p + r, "B", j) for c, j in bwd]
+        warm = min((v - 1) * len(groups[0]) + 2 * (p - 1 - r), n)
+        acts = f[:warm]
+        for k in range(n - warm):
+            acts += [f[warm + k], b[k]]
+        acts += b[n - warm:]
+        order.append(tuple(acts))
+    return Schedule("interleaved_1f1b", p, m, tuple(order), v)
+
+
+def zb_h1(stages: int, microbatches: int) -> Schedule:
+    """ZB-H1 (Qi et al. 2024): 1F1B's order with each backward split into B (input gradient,
+    what the previous stage waits for) and W (weight gradient).  Worker r runs W of microbatch
+    k right after B of microbatch k + r (W lags B by r microbatches), the last r W's at the
+    end: the later workers' W's fill the tail 1F1B leaves idle."""
+    base = one_f_one_b(stages, microbatches)
+    order = []
+    for r, row in enumerate(base.order):
+        acts, w = [], 0
+        for a in row:
+            acts.append(a)
+            if a.kind == "B" and a.mb >= r:
+                acts.append(Action(r, "W", w))
+                w += 1
+        acts += [Action(r, "W", j) for j in range(w, microbatches)]
+        order.append(tuple(acts))
+    return Schedule("zb_h1", stages, microbatches, tuple(order))
+
+
+def zbv(stages: int, microbatches: int) -> Schedule:
+    """ZB-V (Qi et al., the zero-bubble repository's handcrafted ZB-V, torch's
+    ``ScheduleZBVZeroBubble``): worker r holds chunks r (going down the V) and 2p-1-r (coming
+    back up).  Warm-up: 2(p-r)-1 forwards of the down chunk, r pairs (F up, F down), p-r
+    triples (F up, B up, W up); steady: F down, B down, W down, F up, B up, W up; cool-down:
+    r pairs (B down, B up), p-r pairs (B down, W down), then the W's left.  Planned for at
+    least 2p-1 microbatches (what fills the V); the actions of those beyond M are dropped."""
+    _check_sizes(stages, microbatches)
+    p, m = stages, microbatches
+    n = max(2 * p - 1, m)
+    order = []
+    for r in range(p):
+        down, up = r, 2 * p - 1 - r
+        count = {(vs, k): 0 for vs in (down, up) for k in "FBW"}
+        acts: list[Action] = []
+
+        def run(vs: int, kind: str) -> None:
+            acts.append(Action(vs, kind, count[vs, kind]))
+            count[vs, kind] += 1
+
+        for _ in range(2 * (p - r) - 1):
+            run(down, "F")
+        for _ in range(r):
+            run(up, "F"), run(down, "F")
+        for _ in range(p - r):
+            run(up, "F"), run(up, "B"), run(up, "W")
+        while count[up, "F"] < count[down, "F"] or count[down, "F"] < n:
+            if count[down, "F"] < n:
+                run(down, "F")
+            run(down, "B"), run(down, "W"), run(up, "F"), run(up, "B"), run(up, "W")
+        for _ in range(r):
+            run(down, "B"), run(up, "B")
+        for _ in range(p - r):
+            run(down, "B"), run(down, "W")
+        for vs in (up, down):
+            while count[vs, "W"] < count[vs, "B"]:
+                run(vs, "W")
+        order.append(tuple(a for a in acts if a.mb < m))
+    return Schedule("zbv", p, m, tuple(order), 2)
+
+
+def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+    """The plan of schedule ``name`` for ``stages`` workers, ``microbatches`` microbatches and
+    ``chunks`` model chunks per worker (1 for gpipe, 1f1b and zb_h1; any v >= 1 for
+    interleaved_1f1b; 2 for zbv)."""
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    if name == "zbv":
+        if chunks != 2:
+            raise ValueError(f"zbv needs stages_per_worker 2 (its V placement puts 2 chunks on each worker); "
+                             f"got {chunks}")
+        return zbv(stages, microbatches)
+    if name == "interleaved_1f1b":
+        return interleaved_one_f_one_b(stages, microbatches, chunks)
+    if chunks != 1:
+        raise ValueError(f"{name} puts 1 chunk on each worker; got stages_per_worker {chunks} "
+                         f"(interleaved_1f1b and zbv place several)")
+    return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1}[name](stages, microbatches)
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:
@@ -103,12 +301,15 @@ def _check_sizes(stages: int, microbatches: int) -> None:
         raise ValueError(f"a schedule needs at least 1 microbatch, got {microbatches}")
 
 
-def dependencies(a: Action, stages: int) -> list[Action]:
-    """Actions that must finish before ``a`` may start (within one replica)."""
-    if a.kind == "F":
-        return [Action(a.stage - 1, "F", a.mb)] if a.stage > 0 else []
+def dependencies(a: Action, virtual: int) -> list[Action]:
+    """Actions that must finish before ``a`` may start (within one replica); ``virtual``: the
+    pipeline's virtual stages (p x v; p when each worker holds one stage)."""
+    if a.kind in "FE":
+        return [Action(a.stage - 1, a.kind, a.mb)] if a.stage > 0 else []
+    if a.kind == "W":
+        return [Action(a.stage, "B", a.mb)]
     deps = [Action(a.stage, "F", a.mb)]
-    if a.stage < stages - 1:
+    if a.stage < virtual - 1:
         deps.append(Action(a.stage + 1, "B", a.mb))
     return deps
 
@@ -119,12 +320,14 @@ class ScheduleError(ValueError):
 
 @dataclass(frozen=True)
 class Timing:
-    """Start and end of every action in a simulated run (time units: forward = 1)."""
+    """Start and end of every action in a simulated run (time units: one microbatch's forward
+    through a worker's whole share of the model = 1)."""
 
     start: dict[Action, Fraction]
     end: dict[Action, Fraction]
     makespan: Fraction
-    busy: tuple[Fraction, ...]  # per stage
+    busy: tuple[Fraction, ...]  # per worker
+    spans: tuple[tuple[Fraction, Fraction], ...] = ()  # per worker: its first start, its last end
 
     @property
     def utilization(self) -> Fraction:
@@ -136,69 +339,112 @@ class Timing:
         return 1 - self.utilization
 
 
-def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2) -> Timing:
-    """Validate ``schedule`` and time it: each stage runs its list in order, each action
-    starts when the stage is free and its dependencies have ended.  Raises
-    :class:`ScheduleError` for a plan that is incomplete, repeats an action, runs a B
-    before its F, or deadlocks across stages."""
-    cost_b = Fraction(backward_cost).limit_denominator(1000)
-    if cost_b <= 0:
-        raise ValueError(f"backward cost must be positive, got {backward_cost}")
+def idle_per_worker(timing: Timing) -> tuple[Fraction, ...]:
+    """Per worker, the step's idle time: makespan - busy."""
+    return tuple(timing.makespan - b for b in timing.busy)
+
+
+def stall_per_worker(timing: Timing) -> tuple[Fraction, ...]:
+    """Per worker, idle time between its first start and its last end (what is left of the
+    bubble when consecutive steps overlap, as with the zero-bubble papers' optimizer post
+    validation: the skew of a parallelogram-shaped step does not count)."""
+    return tuple(hi - lo - b for (lo, hi), b in zip(timing.spans, timing.busy))
+
+
+def _cost(value: Fraction | float | int, what: str) -> Fraction:
+    cost = Fraction(value).limit_denominator(1000)
+    if cost <= 0:
+        raise ValueError(f"{what} cost must be positive, got {value}")
+    return cost
+
+
+def action_costs(schedule: Schedule, backward_cost: Fraction | float | int = 2,
+                 weight_cost: Fraction | float | int | None = None) -> dict[str, Fraction]:
+    """Duration of one action of each kind of ``schedule``.  Per microbatch through a worker's
+    whole share: forward 1; with ``weight_cost`` None, ``backward_cost`` is the whole backward
+    (a split schedule's B and W each take half); else B takes ``backward_cost`` and W
+    ``weight_cost`` (an unsplit schedule's B both).  A chunk's action takes 1/v of that."""
+    b = _cost(backward_cost, "backward")
+    w = None if weight_cost is None else _cost(weight_cost, "weight")
+    if schedule.split:
+        b, w = (b / 2, b / 2) if w is None else (b, w)
+        costs = {"F": Fraction(1), "B": b, "W": w}
+    else:
+        costs = {"F": Fraction(1), "B": b if w is None else b + w}
+    return {k: c / schedule.chunks for k, c in costs.items()}
+
+
+def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2,
+             weight_cost: Fraction | float | int | None = None) -> Timing:
+    """Validate ``schedule`` and time it (costs: :func:`action_costs`): each worker runs its
+    list in order, each action starts when the worker is free and its dependencies have
+    ended.  Raises :class:`ScheduleError` for a plan that is incomplete, repeats an action,
+    runs a B before its F or a W before its B, or deadlocks across workers."""
+    costs = action_costs(schedule, backward_cost, weight_cost)
     _validate(schedule)
-    start, end = _clock(schedule, cost_b)
+    start, end = _clock(schedule, costs)
     busy = tuple(sum((end[a] - start[a] for a in acts), Fraction(0)) for acts in schedule.order)
-    return Timing(start, end, max(end.values()), busy)
+    spans = tuple((min(start[a] for a in acts), max(end[a] for a in acts)) if acts else (Fraction(0), Fraction(0))
+                  for acts in schedule.order)
+    return Timing(start, end, max(end.values()), busy, spans)
 
 
 def _validate(schedule: Schedule) -> None:
-    """Raise :class:`ScheduleError` unless every stage runs the F and the B of each
-    microbatch exactly once, the F first."""
-    p, m = schedule.stages, schedule.microbatches
+    """Raise :class:`ScheduleError` unless every worker runs, for each of its virtual stages,
+    the F and the B (and the W, split) of each microbatch exactly once, F before B before W."""
+    p, m, v = schedule.stages, schedule.microbatches, schedule.chunks
+    if v < 1:
+        raise ScheduleError(f"plan has {v} chunks per worker, expected at least 1")
     if len(schedule.order) != p:
         raise ScheduleError(f"plan has {len(schedule.order)} stage rows, expected {p}")
+    kinds = "FBW" if schedule.split else "FB"
     for i, acts in enumerate(schedule.order):
-        want = {Action(i, k, j) for k in "FB" for j in range(m)}
-        got = list(acts)
-        if len(set(got)) != len(got):
-            dup = sorted({str(a) for a in got if got.count(a) > 1})
+        mine = chunks_of(i, p, v, schedule.where)
+        want = {Action(vs, k, j) for vs in mine for k in kinds for j in range(m)}
+        counts = Counter(acts)
+        dup = sorted(str(a) for a, c in counts.items() if c > 1)
+        if dup:
             raise ScheduleError(f"stage {i} repeats {', '.join(dup)}\n{render_plan(schedule)}")
-        if set(got) != want:
-            missing = sorted(str(a) for a in want - set(got))
-            extra = sorted(str(a) for a in set(got) - want)
+        if set(counts) != want:
+            missing = sorted(str(a) for a in want - set(counts))
+            extra = sorted(str(a) for a in set(counts) - want)
+            each = "F, B and W" if schedule.split else "F and B"
+            of = f" on each of its virtual stages {mine}" if v > 1 else ""
             raise ScheduleError(
-                f"stage {i} must run F and B of each of {m} microbatches once; "
+                f"stage {i} must run {each} of each of {m} microbatches once{of}; "
                 f"missing {missing or 'none'}, unexpected {extra or 'none'}\n{render_plan(schedule)}"
             )
-        seen_f: set[int] = set()
-        for a in got:
-            if a.kind == "F":
-                seen_f.add(a.mb)
-            elif a.mb not in seen_f:
-                raise ScheduleError(f"{a} comes before {i}F{a.mb} on stage {i}\n{render_plan(schedule)}")
+        seen: set[Action] = set()
+        for a in acts:
+            before = {"B": "F", "W": "B"}.get(a.kind)
+            if before and Action(a.stage, before, a.mb) not in seen:
+                raise ScheduleError(
+                    f"{a} comes before {a.stage}{before}{a.mb} on stage {i}\n{render_plan(schedule)}")
+            seen.add(a)
 
 
-def _clock(schedule: Schedule, cost_b: Fraction) -> tuple[dict[Action, Fraction], dict[Action, Fraction]]:
-    """Start and end of each action of a valid plan (forward = 1, backward = ``cost_b``):
-    sweep the stages, running each one's next actions while their dependencies have ended,
-    until all have run.  Raises :class:`ScheduleError` with the stuck cells marked when a
-    sweep runs nothing."""
-    p = schedule.stages
+def _clock(schedule: Schedule, costs: dict[str, Fraction]) -> tuple[dict[Action, Fraction], dict[Action, Fraction]]:
+    """Start and end of each action of a valid plan: sweep the workers, running each one's
+    next actions while their dependencies have ended, until all have run.  Raises
+    :class:`ScheduleError` with the stuck cells marked when a sweep runs nothing."""
+    p, virtual = schedule.stages, schedule.virtual
     start: dict[Action, Fraction] = {}
     end: dict[Action, Fraction] = {}
     pos = [0] * p
     free = [Fraction(0)] * p
-    remaining = 2 * schedule.microbatches * p
+    remaining = sum(len(acts) for acts in schedule.order)
     while remaining:
         progressed = False
         for i in range(p):
-            while pos[i] < len(schedule.order[i]):
-                a = schedule.order[i][pos[i]]
-                deps = dependencies(a, p)
+            acts = schedule.order[i]
+            while pos[i] < len(acts):
+                a = acts[pos[i]]
+                deps = dependencies(a, virtual)
                 if any(d not in end for d in deps):
                     break
                 t0 = max([free[i]] + [end[d] for d in deps])
                 start[a] = t0
-                end[a] = t0 + (1 if a.kind == "F" else cost_b)
+                end[a] = t0 + costs[a.kind]
                 free[i] = end[a]
                 pos[i] += 1
                 remaining -= 1
@@ -207,7 +453,7 @@ def _clock(schedule: Schedule, cost_b: Fraction) -> tuple[dict[Action, Fraction]
             stuck = [schedule.order[i][pos[i]] for i in range(p) if pos[i] < len(schedule.order[i])]
             raise ScheduleError(
                 "plan deadlocks: " + ", ".join(
-                    f"{a} waits for {', '.join(str(d) for d in dependencies(a, p) if d not in end)}"
+                    f"{a} waits for {', '.join(str(d) for d in dependencies(a, virtual) if d not in end)}"
                     for a in stuck
                 ) + "\n" + render_plan(schedule, mark=set(stuck))
             )
@@ -215,15 +461,27 @@ def _clock(schedule: Schedule, cost_b: Fraction) -> tuple[dict[Action, Fraction]
 
 
 def peak_in_flight(schedule: Schedule) -> list[int]:
-    """Per stage, the most microbatches whose activations are held (F done, B not yet)."""
+    """Per worker, the most (chunk, microbatch) activations held at once: +1 at each F, -1 at
+    the W of a split schedule (the weight gradient still needs the layer inputs), at the B
+    otherwise."""
+    release = "W" if schedule.split else "B"
     peaks = []
     for acts in schedule.order:
         live = peak = 0
         for a in acts:
-            live += 1 if a.kind == "F" else -1
-            peak = max(peak, live)
+            if a.kind == "F":
+                live += 1
+                peak = max(peak, live)
+            elif a.kind == release:
+                live -= 1
         peaks.append(peak)
     return peaks
+
+
+def peak_activation_fraction(schedule: Schedule) -> list[Fraction]:
+    """Per worker, :func:`peak_in_flight` in units of one microbatch's activations of the
+    worker's whole share (a chunk holds 1/v of them): peak / v."""
+    return [Fraction(k, schedule.chunks) for k in peak_in_flight(schedule)]
 
 
 def render_plan(schedule: Schedule, mark: set[Action] | None = None) -> str:
@@ -235,29 +493,34 @@ def render_plan(schedule: Schedule, mark: set[Action] | None = None) -> str:
     )
 
 
-def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2) -> str:
-    """Stage x time grid of the simulated plan; an action fills as many cells as it
-    lasts (one cell = the greatest common unit of the forward and backward costs),
-    idle cells are blank.  Last line: bubble fraction and utilization."""
-    timing = simulate(schedule, backward_cost)
-    cost_b = Fraction(backward_cost).limit_denominator(1000)
-    unit = Fraction(1, cost_b.denominator)  # largest cell that both costs fill exactly
+def _unit(values) -> Fraction:
+    """The greatest common unit of positive fractions (each is a whole number of it)."""
+    den = math.lcm(*(x.denominator for x in values))
+    return Fraction(math.gcd(*(x.numerator * (den // x.denominator) for x in values)), den)
+
+
+def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2,
+                weight_cost: Fraction | float | int | None = None) -> str:
+    """Worker x time grid of the simulated plan (one row per worker, ``stage i``); an action
+    fills as many cells as it lasts (one cell = the greatest common unit of the actions'
+    durations), idle cells are blank.  Last line: the plan, its costs per microbatch through
+    a worker's whole share (F = 1), bubble fraction and utilization."""
+    timing = simulate(schedule, backward_cost, weight_cost)
+    costs = action_costs(schedule, backward_cost, weight_cost)
+    unit = _unit(costs.values())
     cells = int(timing.makespan / unit)
-    width = max(len(str(a)) for acts in schedule.order for a in acts)
-    lines = []
-    header = " " * 9 + " ".join(f"{t:<{width}}" for t in range(cells))
-    lines.append(header.rstrip())
+    width = max([len(str(a)) for acts in schedule.order for a in acts] + [len(str(cells - 1))])
+    lines = [(" " * 9 + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]
     for i, acts in enumerate(schedule.order):
         row = [" " * width] * cells
         for a in acts:
-            first = int(timing.start[a] / unit)
-            last = int(timing.end[a] / unit)
-            for c in range(first, last):
+            for c in range(int(timing.start[a] / unit), int(timing.end[a] / unit)):
                 row[c] = f"{str(a):<{width}}"
         lines.append(f"stage {i:<2} " + " ".join(row).rstrip())
+    share = " ".join(f"{k}={c * schedule.chunks}" for k, c in costs.items())
     lines.append(
         f"{schedule.name}: stages={schedule.stages} microbatches={schedule.microbatches} "
-        f"backward_cost={float(cost_b):g}  bubble={float(timing.bubble):.1%}  "
+        f"chunks={schedule.chunks} {share}  bubble={float(timing.bubble):.1%}  "
         f"utilization={float(timing.utilization):.1%}"
     )
     return "\n".join(lines)

@@ -133,7 +133,13 @@ class TrainingSpec(_Strict):
 class ParallelismSpec(_Strict):
     dp: int = Field(1, ge=1, description="data-parallel replicas")
     pp: int = Field(1, ge=1, description="pipeline stages")
-    schedule: Literal["1f1b", "gpipe"] = Field("1f1b", description="micro-batch schedule")
+    schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = Field(
+        "1f1b", description="micro-batch schedule: 1f1b, gpipe, interleaved_1f1b (several model chunks per worker), "
+                            "zb_h1 (zero bubble: each backward split into input and weight gradients, the weight "
+                            "gradients fill the bubble) or zbv (zero bubble on 2 chunks per worker in a V)")
+    stages_per_worker: Optional[int] = Field(
+        None, ge=1, description="model chunks (virtual stages) on each worker: interleaved_1f1b and zbv place several "
+                                "(default 2; zbv needs exactly 2), the other schedules one")
     transport: Literal["object_store", "collective"] = Field(
         "collective", description="how activations move between stages: 'collective' (send/recv over gloo, NCCL on "
                                   "GPUs; the faster; every microbatch's activation must keep the shape of the first) "
@@ -144,12 +150,32 @@ class ParallelismSpec(_Strict):
         None, description="forward+backward milliseconds of one microbatch per layer on a worker; given, they replace "
                           "the scheduler's profile (which runs on its CPU) for partitions and the elastic planner")
 
+    @property
+    def chunks(self) -> int:
+        """Model chunks per worker (``stages_per_worker``, or the schedule's default)."""
+        if self.stages_per_worker is not None:
+            return self.stages_per_worker
+        return 2 if self.schedule in ("interleaved_1f1b", "zbv") else 1
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.pp * self.chunks
+
     @model_validator(mode="after")
     def _partition(self):
+        v = self.stages_per_worker
+        if v is not None and v > 1 and self.schedule not in ("interleaved_1f1b", "zbv"):
+            raise ValueError(f"parallelism.stages_per_worker {v} needs a schedule that places several model chunks on "
+                             f"each worker: interleaved_1f1b or zbv, not {self.schedule}; or set stages_per_worker 1")
+        if self.schedule == "zbv" and self.chunks != 2:
+            raise ValueError(f"parallelism.schedule zbv places exactly 2 model chunks on each worker (a V), but "
+                             f"stages_per_worker is {v}: set it to 2 or leave it out")
         if isinstance(self.partition, list):
-            if len(self.partition) != self.pp:
-                raise ValueError(f"parallelism.partition lists {len(self.partition)} stage sizes but pp is {self.pp}: "
-                                 "give one layer count per stage")
+            n = self.virtual_stages
+            if len(self.partition) != n:
+                per = "stage" if self.chunks == 1 else f"model chunk (pp x stages_per_worker = {n})"
+                raise ValueError(f"parallelism.partition lists {len(self.partition)} stage sizes but there are {n}: "
+                                 f"give one layer count per {per}")
             if any(n < 1 for n in self.partition):
                 raise ValueError("parallelism.partition: every stage needs at least 1 layer")
         if self.layer_costs_ms is not None and (not self.layer_costs_ms or min(self.layer_costs_ms) < 0):

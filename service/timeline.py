@@ -9,10 +9,16 @@ pure: plain data in, plain data (or SVG text) out, tested without Ray.
 
 The stored entry (:func:`record`)::
 
-    {"step": 37, "start": 1763.2, "dp": 2, "pp": 2, "schedule": "1f1b", "microbatches_per_replica": 2,
-     "nodes": {"w0.0": "3f2a...", ...}, "workers": {"w0.0": [["0F0", 0.0, 0.0041], ...], ...}}
+    {"step": 37, "start": 1763.2, "dp": 2, "pp": 2, "schedule": "1f1b", "chunks": 1,
+     "microbatches_per_replica": 2, "nodes": {"w0.0": "3f2a...", ...},
+     "workers": {"w0.0": [["0F0", 0.0, 0.0041], ...], ...}}
 
-(times relative to the step's first action).  :func:`view` turns it into the JSON of
+(times relative to the step's first action).  An action is named like ``3B2``: virtual stage
+(model chunk) 3, kind, global microbatch 2; the kinds are F (forward), B (backward; in the
+split schedules zb_h1 and zbv only the input gradient), W (the weight gradient of a split
+schedule) and E (a forward of the evaluation after the step, not planned).  ``chunks`` is the
+model chunks per worker (``parallelism.stages_per_worker``: interleaved_1f1b and zbv place
+several on each worker, so a worker's lane holds several virtual stages).  :func:`view` turns it into the JSON of
 ``GET /v1/jobs/{id}/timeline``; :func:`render_svg` into the swimlane picture the web page,
 ``GET /v1/jobs/{id}/timeline.svg`` and ``relaytrain timeline --out`` show.
 """
@@ -34,10 +40,12 @@ _WORKER_RE = re.compile(r"^w(\d+)\.(\d+)$")
 
 def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
     """The compact entry of one committed step: ``workers`` maps ``w<dp>.<pp>`` to the
-    worker's ``(action, start, end)`` list; ``shape`` is the scheduler's shape dict."""
+    worker's ``(action, start, end)`` list; ``shape`` is the scheduler's shape dict (its
+    ``chunks`` or ``stages_per_worker``; when absent the schedule's default, :func:`chunks_of`)."""
     t_min = min((float(t0) for acts in workers.values() for _, t0, _ in acts), default=0.0)
     return {"step": int(step), "start": t_min, "dp": shape.get("dp"), "pp": shape.get("pp"),
-            "schedule": shape.get("schedule"), "microbatches_per_replica": shape.get("microbatches_per_replica"),
+            "schedule": shape.get("schedule"), "chunks": chunks_of(shape),
+            "microbatches_per_replica": shape.get("microbatches_per_replica"),
             "nodes": dict(shape.get("workers") or {}),
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
                         for w, acts in workers.items()}}
@@ -50,11 +58,21 @@ def parse_worker(name: str) -> tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
-def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int) -> list[str]:
-    """The actions worker (dp_rank, pp_rank) runs, in the plan's order, with global microbatch
-    ids (replica r runs microbatches ``[r*m, (r+1)*m)``)."""
+def chunks_of(entry: dict) -> int:
+    """Model chunks per worker of a shape dict or an entry: its ``chunks`` (or the shape's
+    ``stages_per_worker``), else the schedule's default (as service/spec.py: 2 for
+    interleaved_1f1b and zbv, 1 for the others)."""
+    v = entry.get("chunks") or entry.get("stages_per_worker")
+    return int(v) if v else 2 if entry.get("schedule") in schedules.CHUNKED else 1
+
+
+def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int,
+                  chunks: int = 1) -> list[str]:
+    """The actions worker (dp_rank, pp_rank) runs, in the plan's order (virtual stage ids: a
+    chunked schedule's worker runs several), with global microbatch ids (replica r runs
+    microbatches ``[r*m, (r+1)*m)``)."""
     m = microbatches_per_replica
-    plan = schedules.build(schedule, pp, m)
+    plan = schedules.build(schedule, pp, m, chunks)
     return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in plan.order[pp_rank]]
 
 
@@ -72,7 +90,7 @@ def check(entry: dict) -> list[str]:
         r, s = parse_worker(w)
         acts = entry["workers"][w]
         order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
-        plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s)
+        plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry))
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
         for a, t0, t1 in acts:
@@ -84,10 +102,12 @@ def check(entry: dict) -> list[str]:
     return problems
 
 
-def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2) -> float:
+def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2,
+                     chunks: int = 1) -> float:
     """The plan's ideal utilization (busy area / total area), backward = 2 x forward as in the
-    ``bubble_plan`` metric and ``relaytrain schedule``."""
-    return float(schedules.simulate(schedules.build(schedule, pp, microbatches_per_replica), backward_cost).utilization)
+    ``bubble_plan`` metric and ``relaytrain schedule`` (split schedules: B and W each half of it)."""
+    plan = schedules.build(schedule, pp, microbatches_per_replica, chunks)
+    return float(schedules.simulate(plan, backward_cost).utilization)
 
 
 def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) -> dict:
@@ -116,11 +136,12 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
         utils.append(sum(lane["busy_s"] for lane in replica) / (entry["pp"] * span) if span > 0 else 1.0)
     span = max((b["end"] for lane in lanes for b in lane["actions"]), default=0.0)
     try:
-        plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"])
+        plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
+                                chunks=chunks_of(entry))
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
-            "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"],
+            "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"], "chunks": chunks_of(entry),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
             "utilization_plan": plan, "lanes": lanes}
@@ -147,11 +168,14 @@ PALETTE = ["#4e79a7", "#f28e2b", "#59a14f", "#e15759", "#76b7b2", "#edc948",
 
 
 def colour(mb: int, kind: str) -> str:
-    """Microbatch ``mb``'s colour: forward in its light shade, backward in its dark one."""
+    """Microbatch ``mb``'s colour: forward in its light shade, backward (B) in its dark one, a
+    split schedule's weight gradient (W) in its plain hue between them (drawn hatched)."""
     base = PALETTE[mb % len(PALETTE)]
     r, g, b = (int(base[i:i + 2], 16) for i in (1, 3, 5))
     if kind == "E":  # an evaluation's forward: one grey, whatever the microbatch
         return EVAL_COLOUR
+    if kind == "W":  # the palette's own shade
+        return base
     if kind == "F":  # toward white
         r, g, b = (int(c + (255 - c) * 0.35) for c in (r, g, b))
     else:            # toward black
@@ -218,19 +242,21 @@ class _Layout:
 def render_svg(v: dict, width: int = 960, title: Optional[str] = None) -> str:
     """The swimlane of :func:`view`'s ``v`` as a standalone SVG document: a lane per worker
     (labelled ``w<dp>.<pp>`` and its node), a box per action at its measured start and end,
-    coloured by microbatch (forward light, backward dark), idle time hatched.  Elements carry
+    coloured by microbatch (forward light, backward dark, weight gradient between them and
+    striped), idle time hatched.  Elements carry
     ``data-lane``, ``data-action`` and ``data-idle`` so pages and tests can find them."""
     lay = _Layout(width, len(v["lanes"]), v["span_s"] or 1e-9)
     out = [*_svg_open(v, lay), *_headline(v, lay, title), *_time_axis(lay)]
+    split = v.get("schedule") in schedules.SPLIT
     for i, lane in enumerate(v["lanes"]):
-        out += _lane(lane, lay.lane_y(i), lay)
+        out += _lane(lane, lay.lane_y(i), lay, split)
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
 
 def _svg_open(v: dict, lay: _Layout) -> list[str]:
     """The root element (its ``data-*`` say the step, lanes, utilizations and steps kept), the
-    idle hatching pattern and the white background."""
+    idle hatching pattern, the weight gradient's stripes and the white background."""
     available = " ".join(str(s) for s in v.get("available", []))
     return [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="swimlane" width="{lay.width}" height="{lay.height}" '
@@ -242,6 +268,8 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
         '<pattern id="rt-idle" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
         '<rect width="6" height="6" fill="#f6f7f9"/><line x1="0" y1="0" x2="0" y2="6" stroke="#d5d9e0" '
         'stroke-width="2"/></pattern>',
+        '<pattern id="rt-weight" width="5" height="5" patternUnits="userSpaceOnUse" patternTransform="rotate(-45)">'
+        '<line x1="0" y1="0" x2="0" y2="5" stroke="#ffffff" stroke-opacity="0.45" stroke-width="2"/></pattern>',
         "</defs>",
         f'<rect width="{lay.width}" height="{lay.height}" fill="#ffffff"/>',
     ]
@@ -250,10 +278,13 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
 def _headline(v: dict, lay: _Layout, title: Optional[str]) -> list[str]:
     """Two lines above the lanes: ``title`` (default: job, step and shape), then the measured
     and planned utilization and the step's span."""
+    chunks = v.get("chunks") or 1
     head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
-                     f"{v['schedule']}, {v['microbatches_per_replica']} microbatches per replica")
+                     f"{v['schedule']}{f' ({chunks} chunks per worker)' if chunks > 1 else ''}, "
+                     f"{v['microbatches_per_replica']} microbatches per replica")
+    cost = "B = W = forward" if v["schedule"] in schedules.SPLIT else "backward = 2 x forward"
     util = (f"measured utilization {_pct(v['utilization'])}  ·  plan {_pct(v['utilization_plan'])} "
-            f"(backward = 2 x forward)  ·  step span {_ms(v['span_s'])}")
+            f"({cost})  ·  step span {_ms(v['span_s'])}")
     return [f'<text x="{lay.left}" y="22" font-size="14" font-weight="600" fill="#1f2933">{escape(head)}</text>',
             f'<text x="{lay.left}" y="42" font-size="12" fill="#52606d" class="utilization">{escape(util)}</text>']
 
@@ -276,7 +307,7 @@ def _time_axis(lay: _Layout) -> list[str]:
     return out
 
 
-def _lane(lane: dict, y: int, lay: _Layout) -> list[str]:
+def _lane(lane: dict, y: int, lay: _Layout, split: bool = False) -> list[str]:
     """One worker's lane at height ``y``: its labels, its idle gaps, its action boxes."""
     node = lane.get("node") or ""
     busy = lane["busy_s"] / lay.span if lay.span > 0 else 0.0
@@ -288,7 +319,7 @@ def _lane(lane: dict, y: int, lay: _Layout) -> list[str]:
            f'{escape(("node " + node[:8]) if node else "node ?")} · busy {busy:.0%}</text>']
     out += _idle_marks(lane["actions"], y, lay)
     for b in lane["actions"]:
-        out += _action_box(lane["worker"], b, y, lay)
+        out += _action_box(lane["worker"], b, y, lay, split)
     out.append("</g>")
     return out
 
@@ -306,19 +337,27 @@ def _idle_marks(actions: list[dict], y: int, lay: _Layout) -> list[str]:
     return out
 
 
-def _action_box(worker: str, b: dict, y: int, lay: _Layout) -> list[str]:
-    """The box of one action ``b`` of :func:`view`'s lane, with a tooltip, and its name
-    written inside when it fits."""
+_WHAT = {"F": "forward of microbatch", "B": "backward of microbatch", "E": "eval forward of eval microbatch",
+         "W": "weight-gradient backward of microbatch"}
+
+
+def _action_box(worker: str, b: dict, y: int, lay: _Layout, split: bool = False) -> list[str]:
+    """The box of one action ``b`` of :func:`view`'s lane, with a tooltip (``split``: B is the
+    input-gradient half of a split schedule's backward), striped when a weight gradient (W),
+    and its name written inside when it fits."""
     bx, bw = lay.x(b["start"]), max(1.0, round((b["end"] - b["start"]) * lay.sx, 2))
-    what = {"F": "forward of microbatch", "B": "backward of microbatch", "E": "eval forward of eval microbatch"}
-    tip = (f'{worker} {b["action"]} ({what[b["kind"]]} {b["mb"]}): {_ms(b["end"] - b["start"])}, '
+    what = "input-gradient backward of microbatch" if split and b["kind"] == "B" else _WHAT.get(b["kind"], b["kind"])
+    tip = (f'{worker} {b["action"]} ({what} {b["mb"]}): {_ms(b["end"] - b["start"])}, '
            f'from +{_ms(b["start"])}')
     out = [f'<rect class="action" data-action={quoteattr(b["action"])} data-mb="{b["mb"]}" '
            f'data-kind="{b["kind"]}" data-start="{b["start"]}" data-end="{b["end"]}" x="{bx}" y="{y}" '
            f'width="{bw}" height="{lay.lane_h}" rx="3" fill="{colour(b["mb"], b["kind"])}" stroke="#ffffff" '
            f'stroke-width="1"><title>{escape(tip)}</title></rect>']
+    if b["kind"] == "W":  # stripes over the hue: the weight gradient apart from B at a glance
+        out.append(f'<rect class="weight-stripes" x="{bx}" y="{y}" width="{bw}" height="{lay.lane_h}" rx="3" '
+                   f'fill="url(#rt-weight)" pointer-events="none"/>')
     if bw >= 7 * len(b["action"]) + 4:
-        ink = "#1f2933" if b["kind"] == "F" else "#ffffff"
+        ink = "#1f2933" if b["kind"] in ("F", "W") else "#ffffff"
         out.append(f'<text x="{round(bx + bw / 2, 2)}" y="{y + lay.lane_h / 2 + 4}" font-size="11" '
                    f'text-anchor="middle" fill="{ink}" pointer-events="none">{escape(b["action"])}</text>')
     return out

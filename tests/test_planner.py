@@ -85,3 +85,99 @@ def test_decision_as_dict_is_plain_data():
     d = plan(4, EQUAL6, 64, 8, preferred=(2, 2), memory_bytes=HALF_FITS, transport="collective")
     assert d.as_dict() == {"wait": False, "reason": d.reason, "slots": 4, "dp": 2, "pp": 2, "partition": [3, 3],
                            "microbatches_per_replica": 4, "modelled_step_s": d.shape.step_s}
+
+
+# ---------------------------------------------------------------- every schedule's step and memory
+
+from fractions import Fraction  # noqa: E402
+
+from service import schedules  # noqa: E402
+from service.planner import hop_seconds  # noqa: E402
+
+# eight equal layers of 10 ms, 1 MiB of parameters and 100 bytes of activations each
+EQUAL8 = LayerFacts([0.010] * 8, [MB] * 8, [100] * 8)
+HOP = hop_seconds("collective", 100)
+
+
+def units(schedule, pp, m, chunks=1):
+    """The plan's makespan in units of one microbatch's forward + backward on one worker."""
+    return float(Fraction(schedules.simulate(schedules.build(schedule, pp, m, chunks)).makespan) / 3)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_the_closed_form_is_what_the_simulation_gives(schedule):
+    for pp in range(1, 5):
+        for m in range(1, 7):
+            plan = schedules.build(schedule, pp, m)
+            assert schedules.simulate(plan).makespan == 3 * (m + pp - 1)
+            want = [m] * pp if schedule == "gpipe" else [min(m, pp - i) for i in range(pp)]
+            assert list(schedules.peak_in_flight(plan)) == want
+
+
+def test_zb_h1_models_a_shorter_step_than_1f1b_at_the_same_memory():
+    one = model_shape(EQUAL8, 1, 4, 8)
+    zb = model_shape(EQUAL8, 1, 4, 8, schedule="zb_h1")
+    assert one.step_s == pytest.approx((8 + 4 - 1) * (0.020 + 2 * HOP))  # the formula of old, unchanged
+    assert zb.step_s == pytest.approx(units("zb_h1", 4, 8) * (0.020 + 2 * HOP))
+    assert zb.step_s < one.step_s * 0.9  # the W fill most of 1F1B's bubble
+    assert zb.memory_bytes == one.memory_bytes
+    assert (zb.chunks, zb.placement, zb.sizes) == (1, "loop", (2, 2, 2, 2))
+
+
+def test_interleaved_divides_the_bubble_by_v_and_pays_more_hops():
+    one = model_shape(EQUAL8, 1, 4, 8)
+    inter = model_shape(EQUAL8, 1, 4, 8, schedule="interleaved_1f1b", chunks=2)
+    assert inter.sizes == (1,) * 8 and inter.chunks == 2 and inter.placement == "loop"
+    assert inter.ranges(1) == [(1, 2), (5, 6)] and inter.layers_of(3) == {3, 7}
+    # every chunk boundary crosses workers: 4 hops per microbatch on a middle worker, not 2
+    assert inter.step_s == pytest.approx(units("interleaved_1f1b", 4, 8, 2) * (0.020 + 4 * HOP))
+    assert units("interleaved_1f1b", 4, 8, 2) < 8 + (4 - 1) / 2 + 0.5 < units("1f1b", 4, 8)
+    assert inter.step_s < one.step_s
+    # with dear hops the extra boundaries cost more than the smaller bubble saves
+    dear = LayerFacts([0.002] * 8, [0] * 8, [4 * MB] * 8)
+    assert (model_shape(dear, 1, 4, 8, schedule="interleaved_1f1b", chunks=2, transport="object_store").step_s
+            > model_shape(dear, 1, 4, 8, transport="object_store").step_s)
+
+
+def test_zbv_places_chunks_in_a_v_and_turns_without_a_hop():
+    zbv = model_shape(EQUAL8, 1, 2, 8, schedule="zbv", chunks=2)
+    assert zbv.placement == "v" and zbv.sizes == (2, 2, 2, 2)
+    assert zbv.ranges(0) == [(0, 2), (6, 8)] and zbv.ranges(1) == [(2, 4), (4, 6)]
+    # worker 1 holds chunks 1 and 2: the turn between them is local, so 2 hops each, not 3
+    assert zbv.step_s == pytest.approx(units("zbv", 2, 8, 2) * (0.040 + 2 * HOP))
+    inter = model_shape(EQUAL8, 1, 2, 8, schedule="interleaved_1f1b", chunks=2)
+    assert inter.step_s == pytest.approx(units("interleaved_1f1b", 2, 8, 2) * (0.040 + 3 * HOP))
+    assert zbv.step_s < model_shape(EQUAL8, 1, 2, 8).step_s
+    with pytest.raises(ValueError, match="zbv places 2 model chunks"):
+        model_shape(EQUAL8, 1, 2, 8, schedule="zbv")
+    with pytest.raises(ValueError, match="1f1b places 1 model chunk"):
+        model_shape(EQUAL8, 1, 2, 8, chunks=2)
+
+
+@pytest.mark.parametrize("schedule, pp, chunks", [
+    ("gpipe", 4, 1), ("1f1b", 4, 1), ("zb_h1", 4, 1), ("interleaved_1f1b", 4, 2), ("interleaved_1f1b", 2, 4),
+    ("zbv", 4, 2), ("zbv", 2, 2)])
+def test_memory_is_the_plans_peak_of_held_activations(schedule, pp, chunks):
+    # parameters: 1 MiB a layer x (2 + 2 Adam slots); activations: 100 bytes a layer and microbatch
+    facts = LayerFacts([0.01] * 8, [MB] * 8, [100] * 8)
+    s = model_shape(facts, 1, pp, 8, schedule=schedule, chunks=chunks)
+    built = schedules.build(schedule, pp, 8, chunks)
+    held = schedules.peak_in_flight(built)  # (chunk, microbatch) pairs: chunk-sized parts of the worker's share
+    assert [float(f) for f in schedules.peak_activation_fraction(built)] == pytest.approx([h / chunks for h in held])
+    share = 8 // pp  # layers per worker
+    assert s.memory_bytes == max(share * MB * 4 + -(-h * share * 100 // chunks) for h in held)
+    if schedule == "gpipe":
+        assert s.memory_bytes == share * MB * 4 + 8 * share * 100
+    elif schedule == "1f1b":
+        assert s.memory_bytes == share * MB * 4 + pp * share * 100
+
+
+def test_plan_passes_chunks_and_needs_a_layer_per_virtual_stage():
+    d = plan(4, EQUAL6, 64, 8, preferred=(1, 2), schedule="interleaved_1f1b", chunks=2)
+    assert d.shape.chunks == 2 and len(d.shape.sizes) == 2 * d.shape.pp and sum(d.shape.sizes) == 6
+    assert all(s.pp * 2 <= 6 for s in d.considered)
+    assert max(s.pp for s in d.considered) == 3  # 4 workers x 2 chunks would need 8 layers
+    d = plan(4, EQUAL6, 64, 8, preferred=(2, 2), schedule="zbv", chunks=2, memory_bytes=HALF_FITS)
+    assert d.shape.placement == "v" and d.shape.pp >= 2
+    with pytest.raises(ValueError, match="zbv places 2 model chunks"):
+        plan(4, EQUAL6, 64, 8, preferred=(2, 2), schedule="zbv")

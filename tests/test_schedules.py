@@ -104,3 +104,302 @@ def test_cli_schedule_prints_grid_and_utilization(capsys):
 def test_cli_schedule_bad_input(capsys):
     assert main(["schedule", "--stages", "0", "--microbatches", "4"]) == 2
     assert "at least 1 stage" in capsys.readouterr().err
+
+
+# --- chunked and split schedules: interleaved_1f1b, zb_h1, zbv ------------------------------
+
+F = Fraction(1)
+CASES = [("gpipe", p, m, 1) for p, m in [(1, 1), (3, 5)]] + [("1f1b", p, m, 1) for p, m in [(1, 3), (4, 2), (4, 8)]] + [
+    ("zb_h1", p, m, 1) for p, m in [(1, 2), (2, 1), (2, 5), (4, 3), (4, 8), (5, 16)]] + [
+    ("interleaved_1f1b", p, m, v) for p, m, v in [(2, 4, 1), (2, 4, 2), (4, 8, 2), (4, 2, 2), (4, 9, 3), (3, 7, 4),
+                                                  (1, 3, 2), (4, 16, 2)]] + [
+    ("zbv", p, m, 2) for p, m in [(1, 1), (2, 1), (2, 3), (3, 4), (4, 7), (4, 8), (5, 12)]]
+
+
+def _rows_by_hand(name, p, m, v):
+    """What each worker must run, worked out without the module's validation: its virtual
+    stages (ZB-V: i and 2p-1-i; the others: i, i+p, ...), F and B (and W, split) of each microbatch."""
+    kinds = "FBW" if name in ("zb_h1", "zbv") else "FB"
+    stages = [[i, 2 * p - 1 - i] if name == "zbv" else [i + k * p for k in range(v)] for i in range(p)]
+    return [{f"{vs}{k}{j}" for vs in mine for k in kinds for j in range(m)} for mine in stages]
+
+
+@pytest.mark.parametrize("name, p, m, v", CASES)
+@pytest.mark.parametrize("costs", [(2, None), (1, 1), (2, 1)])
+def test_every_plan_is_complete_and_respects_dependencies(name, p, m, v, costs):
+    plan = S.build(name, p, m, v)
+    assert (plan.stages, plan.microbatches, plan.chunks, plan.virtual) == (p, m, v, p * v)
+    for row, want in zip(plan.order, _rows_by_hand(name, p, m, v)):
+        texts = [str(a) for a in row]
+        assert len(texts) == len(set(texts)) and set(texts) == want
+    t = S.simulate(plan, *costs)
+    for row in plan.order:
+        for a in row:
+            if a.kind in "BW":  # F before B before W of each (chunk, microbatch)
+                before = S.Action(a.stage, "F" if a.kind == "B" else "B", a.mb)
+                assert t.end[before] <= t.start[a]
+            for d in S.dependencies(a, plan.virtual):  # across workers too
+                assert t.end[d] <= t.start[a], f"{a} starts before {d} ends"
+        for x, y in zip(row, row[1:]):  # one action at a time, in the plan's order
+            assert t.end[x] <= t.start[y]
+
+
+def test_dependencies_of_w_and_of_chunked_b():
+    assert S.dependencies(S.Action.parse("3W2"), 4) == [S.Action(3, "B", 2)]
+    assert S.dependencies(S.Action.parse("3B2"), 8) == [S.Action(3, "F", 2), S.Action(4, "B", 2)]
+    assert S.dependencies(S.Action.parse("7B2"), 8) == [S.Action(7, "F", 2)]
+    assert S.dependencies(S.Action.parse("4F1"), 8) == [S.Action(3, "F", 1)]
+
+
+def test_w_action_round_trip_and_placement():
+    assert str(S.Action.parse("1W3")) == "1W3" and S.Action.parse("1W3").kind == "W"
+    plan = S.build("zbv", 3, 5, 2)
+    assert plan.where == "v" and {a.stage for a in plan.order[0]} == {0, 5}
+    assert {a.stage for a in S.build("interleaved_1f1b", 3, 6, 2).order[0]} == {0, 3}
+    assert str(S.Schedule.from_text(str(plan), "zbv").order) == str(plan.order)
+    assert S.Schedule.from_text(str(plan), "zbv").chunks == 2
+
+
+def test_interleaved_with_one_chunk_is_1f1b():
+    plan = S.build("interleaved_1f1b", 4, 6, 1)
+    assert plan.name == "interleaved_1f1b" and plan.chunks == 1
+    assert plan.order == S.one_f_one_b(4, 6).order
+
+
+# Idle time per worker (makespan - busy), exact, against the papers' formulas.  F = 1 (one
+# microbatch's forward through a worker's whole share), B the input gradient, W the weight
+# gradient; an unsplit schedule's backward takes B + W.
+
+@pytest.mark.parametrize("p", [2, 4])
+@pytest.mark.parametrize("m", [4, 8, 16])
+@pytest.mark.parametrize("b, w", [(Fraction(1), Fraction(1)), (Fraction(2), Fraction(1)), (Fraction(1, 2), Fraction(1, 2))])
+def test_idle_formulas(p, m, b, w):
+    def idle(name, v=1):
+        got = set(S.idle_per_worker(S.simulate(S.build(name, p, m, v), b, w)))
+        assert len(got) == 1, f"{name}: workers idle differently: {got}"
+        return got.pop()
+
+    assert idle("1f1b") == (p - 1) * (F + b + w)
+    # Qi et al. 2024 (ZB-H1, Figure 3 top): ZB-H1 idles (p-1)(T_F + T_B - T_W) (here W <= F)
+    assert idle("zb_h1") == (p - 1) * (F + b - w)
+    # Narayanan et al. 2021, section 2.2.2: interleaving v chunks divides the bubble by v
+    for v in (2, 3):
+        assert idle("interleaved_1f1b", v) == (p - 1) * (F + b + w) / v
+    if b == w == F:
+        # ZB-V at T_F = T_B = T_W, M >= 2p-1: no worker stalls between its first and its last
+        # action (the paper's "zero bubble", steps overlapping through optimizer post validation);
+        # what makespan - busy still counts is the start-up skew, p-1 chunk forwards (F/2 each)
+        t = S.simulate(S.build("zbv", p, m, 2), b, w)
+        if m >= 2 * p - 1:
+            assert set(S.idle_per_worker(t)) == {(p - 1) * F / 2}
+            assert set(S.stall_per_worker(t)) == {0}
+            assert [lo for lo, _ in t.spans] == [i * F / 2 for i in range(p)]  # a parallelogram
+        else:  # p=4, M=4: too few microbatches to fill the V; still no worse than ZB-H1
+            assert max(S.idle_per_worker(t)) <= idle("zb_h1")
+
+
+def test_zb_h1_idle_when_w_exceeds_f():
+    # outside the paper's case (W > F) the deferred W's no longer hide: (p-1) B per worker
+    for p, m in [(2, 4), (4, 8)]:
+        t = S.simulate(S.build("zb_h1", p, m), backward_cost=1, weight_cost=2)
+        assert set(S.idle_per_worker(t)) == {(p - 1) * 1}
+
+
+@pytest.mark.parametrize("p, m, v", [(4, 9, 2), (4, 6, 3), (3, 7, 2), (4, 13, 4)])
+def test_interleaved_any_microbatch_count(p, m, v):
+    # torch needs M to be a multiple of its round count (M // p); here the rounds may differ
+    # by one microbatch, and the idle is still 1F1B's / v (any M >= p)
+    t = S.simulate(S.build("interleaved_1f1b", p, m, v))
+    assert set(S.idle_per_worker(t)) == {Fraction(3 * (p - 1), v)}
+
+
+def test_microbatch_groups():
+    assert [list(g) for g in S.microbatch_groups(8, 4)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [len(g) for g in S.microbatch_groups(9, 4)] == [5, 4]
+    assert [len(g) for g in S.microbatch_groups(3, 4)] == [3]
+
+
+# Live activations: +1 at F, -1 at W (split) or B (unsplit), per (chunk, microbatch).
+
+@pytest.mark.parametrize("p, m", [(1, 1), (2, 5), (4, 4), (4, 2), (3, 9), (4, 16)])
+def test_zb_h1_peak_memory_is_1f1bs(p, m):
+    # Qi et al. 2024 (ZB-H1): ZB-H1 keeps 1F1B's peak memory, p microbatches (1F1B's
+    # worker 0); worker i defers i W's, so every worker now reaches it
+    assert S.peak_in_flight(S.zb_h1(p, m)) == [min(p, m)] * p
+    assert max(S.peak_in_flight(S.zb_h1(p, m))) == max(S.peak_in_flight(S.one_f_one_b(p, m)))
+    assert S.peak_activation_fraction(S.one_f_one_b(p, m)) == S.peak_in_flight(S.one_f_one_b(p, m))
+
+
+@pytest.mark.parametrize("p, v", [(2, 2), (4, 2), (4, 3), (3, 4)])
+@pytest.mark.parametrize("rounds", [1, 2, 4])
+def test_interleaved_peak_memory(p, v, rounds):
+    # worker r holds its warm-up's chunks plus one: 2(p-1-r) + (v-1)p + 1 (M a multiple of p);
+    # on worker 0 that is p + (p-1)/v microbatches of its whole share, Korthikanti et al. 2022
+    # ("Reducing Activation Recomputation in Large Transformer Models": the interleaved
+    # schedule's first stage holds p(1 + (p-1)/(pv)) microbatches' activations)
+    m = rounds * p
+    plan = S.build("interleaved_1f1b", p, m, v)
+    assert S.peak_in_flight(plan) == [min(2 * (p - 1 - r) + (v - 1) * p + 1, m * v) for r in range(p)]
+    assert S.peak_activation_fraction(plan)[0] == min(p + Fraction(p - 1, v), m)
+
+
+@pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
+def test_zbv_peak_memory(p):
+    # ZB-V (Qi et al., arXiv 2401.10241 section 6; the zero-bubble README's table: activation
+    # memory 1x of 1F1B's): 2p chunks =
+    # p microbatches of the whole share on every worker (the V balances it), M >= 2p-1
+    for m in (2 * p - 1, 2 * p + 3):
+        plan = S.build("zbv", p, m, 2)
+        assert S.peak_in_flight(plan) == [2 * p] * p
+        assert S.peak_activation_fraction(plan) == [p] * p
+
+
+# The papers' figures as grids (p=4, M=8).  How they were checked: the per-worker orders are
+# those torch.distributed.pipelining 2.13 generates (test_orders_match_torch below:
+# ScheduleInterleaved1F1B, "implementing" Narayanan et al.; ScheduleInterleavedZeroBubble on
+# one stage per rank, whose W lags B by the rank, = ZB-H1; ScheduleZBVZeroBubble, the same
+# algorithm as the zero-bubble repository's handcrafted get_zb_v_schedule, which prints
+# p=4, M=8); the timing is our simulation of those orders; and the figures' properties are
+# tested above: warm-up forwards (1F1B's p-1-i for ZB-H1, (v-1)p + 2(p-1-i) interleaved,
+# 2(p-i)-1 on the down chunk for ZB-V), the idle totals (p-1)(F+B-W), (p-1)(F+B)/v and
+# ZB-V's parallelogram.  Not compared cell by cell with the papers' images (not available here).
+
+ZB_H1_4x8 = """\
+stage 0  0F0 0F1 0F2 0F3             0B0 0W0 0F4 0B1 0W1 0F5 0B2 0W2 0F6 0B3 0W3 0F7 0B4 0W4 0B5 0W5 0B6 0W6 0B7 0W7
+stage 1      1F0 1F1 1F2         1B0 1F3 1B1 1W0 1F4 1B2 1W1 1F5 1B3 1W2 1F6 1B4 1W3 1F7 1B5 1W4 1B6 1W5 1B7 1W6 1W7
+stage 2          2F0 2F1     2B0 2F2 2B1 2F3 2B2 2W0 2F4 2B3 2W1 2F5 2B4 2W2 2F6 2B5 2W3 2F7 2B6 2W4 2B7 2W5 2W6 2W7
+stage 3              3F0 3B0 3F1 3B1 3F2 3B2 3F3 3B3 3W0 3F4 3B4 3W1 3F5 3B5 3W2 3F6 3B6 3W3 3F7 3B7 3W4 3W5 3W6 3W7
+zb_h1: stages=4 microbatches=8 chunks=1 F=1 B=1 W=1  bubble=11.1%  utilization=88.9%"""
+
+# Narayanan et al. 2021, Figure 4 (lower): backward = 2 x forward, one cell = a chunk's forward
+INTERLEAVED_4x8 = """\
+stage 0  0F0 0F1 0F2 0F3 4F0 4F1 4F2 4F3 0F4 0F5 0F6             4B0 4B0 0F7 4B1 4B1     4F4 4B2 4B2 4F5 4B3 4B3 4F6 0B0 0B0 4F7 0B1 0B1 0B2 0B2     0B3 0B3     4B4 4B4     4B5 4B5     4B6 4B6     4B7 4B7 0B4 0B4 0B5 0B5 0B6 0B6 0B7 0B7
+stage 1      1F0 1F1 1F2 1F3 5F0 5F1 5F2 5F3 1F4         5B0 5B0 1F5 5B1 5B1 1F6 5B2 5B2 1F7 5B3 5B3 5F4 1B0 1B0 5F5 1B1 1B1 5F6 1B2 1B2 5F7 1B3 1B3     5B4 5B4     5B5 5B5     5B6 5B6     5B7 5B7 1B4 1B4 1B5 1B5 1B6 1B6 1B7 1B7
+stage 2          2F0 2F1 2F2 2F3 6F0 6F1 6F2     6B0 6B0 6F3 6B1 6B1 2F4 6B2 6B2 2F5 6B3 6B3 2F6 2B0 2B0 2F7 2B1 2B1 6F4 2B2 2B2 6F5 2B3 2B3 6F6 6B4 6B4 6F7 6B5 6B5     6B6 6B6     6B7 6B7 2B4 2B4 2B5 2B5 2B6 2B6 2B7 2B7
+stage 3              3F0 3F1 3F2 3F3 7F0 7B0 7B0 7F1 7B1 7B1 7F2 7B2 7B2 7F3 7B3 7B3 3F4 3B0 3B0 3F5 3B1 3B1 3F6 3B2 3B2 3F7 3B3 3B3 7F4 7B4 7B4 7F5 7B5 7B5 7F6 7B6 7B6 7F7 7B7 7B7 3B4 3B4 3B5 3B5 3B6 3B6 3B7 3B7
+interleaved_1f1b: stages=4 microbatches=8 chunks=2 F=1 B=2  bubble=15.8%  utilization=84.2%"""
+
+# ZB-V, p=4, M=8 (the zero-bubble repository's figure and get_zb_v_schedule(4, 8)); worker i
+# holds chunks i and 7-i; one cell = a chunk's F, B or W (F = B = W)
+ZBV_4x8 = """\
+stage 0  0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7B0 7W0 7F1 7B1 7W1 7F2 7B2 7W2 7F3 7B3 7W3 0F7 0B0 0W0 7F4 7B4 7W4 0B1 0W1 7F5 7B5 7W5 0B2 0W2 7F6 7B6 7W6 0B3 0W3 7F7 7B7 7W7 0B4 0W4 0B5 0W5 0B6 0W6 0B7 0W7
+stage 1      1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6B0 6W0 6F2 6B1 6W1 6F3 6B2 6W2 1F6 1B0 1W0 6F4 6B3 6W3 1F7 1B1 1W1 6F5 6B4 6W4 1B2 1W2 6F6 6B5 6W5 1B3 1W3 6F7 6B6 6W6 1B4 6B7 1B5 1W4 1B6 1W5 1B7 1W6 6W7 1W7
+stage 2          2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5B0 5W0 5F3 5B1 5W1 2F5 2B0 2W0 5F4 5B2 5W2 2F6 2B1 2W1 5F5 5B3 5W3 2F7 2B2 2W2 5F6 5B4 5W4 2B3 2W3 5F7 5B5 5W5 2B4 5B6 2B5 5B7 2B6 2W4 2B7 2W5 5W6 5W7 2W6 2W7
+stage 3              3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4B0 4W0 3F4 3B0 3W0 4F4 4B1 4W1 3F5 3B1 3W1 4F5 4B2 4W2 3F6 3B2 3W2 4F6 4B3 4W3 3F7 3B3 3W3 4F7 4B4 4W4 3B4 4B5 3B5 4B6 3B6 4B7 3B7 3W4 4W5 4W6 4W7 3W5 3W6 3W7
+zbv: stages=4 microbatches=8 chunks=2 F=1 B=1 W=1  bubble=5.9%  utilization=94.1%"""
+
+
+@pytest.mark.parametrize("args, want", [(("zb_h1", 4, 8, 1), ZB_H1_4x8),
+                                        (("interleaved_1f1b", 4, 8, 2), INTERLEAVED_4x8),
+                                        (("zbv", 4, 8, 2), ZBV_4x8)])
+def test_grids_of_the_papers_figures(args, want):
+    assert S.render_grid(S.build(*args), backward_cost=2).splitlines()[1:] == want.splitlines()
+
+
+def test_grid_small_zb_h1_with_half_cells():
+    # backward_cost 1, no weight cost: B = W = 1/2, so a cell is half a forward
+    assert S.render_grid(S.zb_h1(2, 3), backward_cost=1) == (
+        "         0   1   2   3   4   5   6   7   8   9   10  11  12  13\n"
+        "stage 0  0F0 0F0 0F1 0F1     0B0 0W0 0F2 0F2 0B1 0W1     0B2 0W2\n"
+        "stage 1          1F0 1F0 1B0 1F1 1F1 1B1 1W0 1F2 1F2 1B2 1W1 1W2\n"
+        "zb_h1: stages=2 microbatches=3 chunks=1 F=1 B=1/2 W=1/2  bubble=14.3%  utilization=85.7%"
+    )
+
+
+def test_weight_cost_in_an_unsplit_schedule_joins_the_backward():
+    a = S.simulate(S.one_f_one_b(3, 5), backward_cost=1, weight_cost=2)
+    b = S.simulate(S.one_f_one_b(3, 5), backward_cost=3)
+    assert a.makespan == b.makespan and a.busy == b.busy
+    assert S.render_grid(S.one_f_one_b(2, 2), 1, 2).splitlines()[-1].startswith("1f1b: stages=2 microbatches=2 chunks=1 F=1 B=3")
+
+
+def _torch_order(cls, p, m, v):
+    """torch's per-rank order (its _calculate_single_rank_operations, no process group: the
+    object gets only the attributes the generator reads), its I (input backward) as our B."""
+    s = object.__new__(cls)
+    s.pp_group_size, s._n_microbatches, s.n_local_stages, s.num_stages = p, m, v, p * v
+    s.number_of_rounds = max(1, m // p)
+    s.microbatches_per_round = m // s.number_of_rounds
+    kind = {"F": "F", "I": "B", "B": "B", "W": "W"}
+    return [" ".join(f"{a.stage_index}{kind[a.computation_type.value]}{a.microbatch_index}"
+                     for a in s._calculate_single_rank_operations(r) if a is not None) for r in range(p)]
+
+
+def test_orders_match_torch():
+    T = pytest.importorskip("torch.distributed.pipelining.schedules")
+    checked = 0
+    for p in range(1, 6):
+        for m in range(1, 13):
+            torch_defined = m % max(1, m // p) == 0  # torch's interleaved schedules need it
+            ours = lambda *a: str(S.build(*a)).splitlines()  # noqa: E731
+            if torch_defined:
+                for v in (2, 3):
+                    assert ours("interleaved_1f1b", p, m, v) == _torch_order(T.ScheduleInterleaved1F1B, p, m, v)
+                assert ours("zb_h1", p, m) == _torch_order(T.ScheduleInterleavedZeroBubble, p, m, 1)
+            assert ours("zbv", p, m, 2) == _torch_order(T.ScheduleZBVZeroBubble, p, m, 2)
+            checked += 1
+    assert checked == 60
+
+
+def test_validation_of_split_plans():
+    with pytest.raises(S.ScheduleError, match="0W0 comes before 0B0"):
+        S.simulate(S.Schedule.from_text("0F0 0W0 0B0\n1F0 1B0 1W0", "zb_h1"))
+    with pytest.raises(S.ScheduleError, match=r"must run F, B and W .* missing \['1W0'\]"):
+        S.simulate(S.Schedule.from_text("0F0 0B0 0W0\n1F0 1B0", "zb_h1"))
+    with pytest.raises(S.ScheduleError, match=r"missing \['0W0'\]"):  # a W anywhere makes the plan split
+        S.simulate(S.Schedule.from_text("0F0 0B0\n1F0 1B0 1W0"))
+    with pytest.raises(S.ScheduleError, match=r"unexpected \['0F0'\]"):  # zbv: worker 1 holds chunks 1 and 2
+        S.simulate(S.Schedule("zbv", 2, 1, S.Schedule.from_text("0F0 3F0 3B0 3W0 0B0 0W0\n0F0 1F0 2F0 2B0 2W0 1B0 1W0").order, 2))
+
+
+def test_chunked_deadlock_is_reported():
+    # worker 0 wants 2F0 (needs 1F0 from worker 1) before sending 0F0 that 1F0 needs
+    bad = S.Schedule("interleaved_1f1b", 2, 1, S.Schedule.from_text("2F0 0F0 2B0 0B0\n1F0 3F0 3B0 1B0").order, 2)
+    with pytest.raises(S.ScheduleError) as e:
+        S.simulate(bad)
+    assert "plan deadlocks" in str(e.value) and "2F0 waits for 1F0" in str(e.value)
+    assert "stage 0: [2F0] 0F0 2B0 0B0" in str(e.value)
+
+
+def test_bad_schedule_names_and_chunk_counts():
+    with pytest.raises(ValueError, match="unknown schedule 'zb_h2': use one of gpipe, 1f1b, interleaved_1f1b, zb_h1, zbv"):
+        S.build("zb_h2", 4, 8)
+    with pytest.raises(ValueError, match=r"^zbv needs stages_per_worker 2 \(its V placement puts 2 chunks on each "
+                                         r"worker\); got 3$"):
+        S.build("zbv", 4, 8, 3)
+    with pytest.raises(ValueError, match="zbv needs stages_per_worker 2"):
+        S.build("zbv", 4, 8)
+    for name in ("gpipe", "1f1b", "zb_h1"):
+        with pytest.raises(ValueError, match=f"{name} puts 1 chunk on each worker; got stages_per_worker 2"):
+            S.build(name, 4, 8, 2)
+    with pytest.raises(ValueError, match="interleaved_1f1b needs stages_per_worker >= 1; got 0"):
+        S.build("interleaved_1f1b", 4, 8, 0)
+    with pytest.raises(ValueError, match="at least 1 microbatch"):
+        S.build("zbv", 2, 0, 2)
+    with pytest.raises(ValueError, match="weight cost must be positive"):
+        S.simulate(S.zb_h1(2, 2), backward_cost=1, weight_cost=0)
+
+
+def test_cli_schedule_new_schedules(capsys):
+    assert main(["schedule", "--schedule", "zb_h1", "--stages", "4", "--microbatches", "8",
+                 "--backward-cost", "1", "--weight-cost", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1:] == ZB_H1_4x8.splitlines()
+    assert main(["schedule", "--schedule", "zbv", "--stages", "4", "--microbatches", "8"]) == 0  # 2 chunks implied
+    assert capsys.readouterr().out.splitlines()[-1] == ZBV_4x8.splitlines()[-1]
+    assert main(["schedule", "--schedule", "interleaved_1f1b", "--stages", "4", "--microbatches", "8",
+                 "--stages-per-worker", "2"]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == INTERLEAVED_4x8.splitlines()
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--schedule", "zbv", "--stages-per-worker", "3"],
+     "relaytrain schedule: zbv needs stages_per_worker 2 (its V placement puts 2 chunks on each worker); got 3"),
+    (["--schedule", "zb_h1", "--stages-per-worker", "2"],
+     "relaytrain schedule: zb_h1 puts 1 chunk on each worker; got stages_per_worker 2"),
+    (["--schedule", "zb_h1", "--weight-cost", "1/0"],
+     "relaytrain schedule: --weight-cost must be a number like 2, 1.5 or 3/2; got '1/0'"),
+])
+def test_cli_schedule_bad_chunks_and_costs(capsys, argv, message):
+    assert main(["schedule", "--stages", "4", "--microbatches", "8", *argv]) == 2
+    assert capsys.readouterr().err.startswith(message)

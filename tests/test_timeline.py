@@ -250,3 +250,111 @@ def test_page_and_its_files_are_served_without_a_token(api):
         assert r.status_code == 200 and kind in r.headers["content-type"], path
         assert "https://" not in r.text and "http://" not in r.text.replace("http://www.w3.org/2000/svg", "")
     assert api.get("/static/../app.py").status_code == 404
+
+
+# ---------------------------------------------------------------- every schedule: W boxes, model chunks
+
+
+def simulated_workers(schedule, dp=2, pp=2, m=3, chunks=1, unit=0.010, t0=1000.0):
+    """(action, start, end) per worker timed as the plan's simulation (forward = ``unit``)."""
+    plan = schedules.build(schedule, pp, m, chunks)
+    timing = schedules.simulate(plan)
+    return {f"w{r}.{s}": [(f"{a.stage}{a.kind}{a.mb + r * m}", t0 + float(timing.start[a]) * unit,
+                           t0 + float(timing.end[a]) * unit) for a in plan.order[s]]
+            for r in range(dp) for s in range(pp)}
+
+
+def test_weight_gradients_have_their_own_shade():
+    for mb in range(len(timeline.PALETTE)):
+        w = timeline.colour(mb, "W")
+        assert w not in {timeline.colour(mb, "F"), timeline.colour(mb, "B"), timeline.EVAL_COLOUR}
+        assert w not in {timeline.colour(n, k) for n in range(len(timeline.PALETTE)) for k in "FB"}
+
+
+def test_record_keeps_the_chunks_per_worker():
+    assert timeline.record(1, shape(), fake_workers())["chunks"] == 1
+    e = timeline.record(1, {**shape(schedule="interleaved_1f1b"), "chunks": 2}, {})
+    assert e["chunks"] == 2 and e["schedule"] == "interleaved_1f1b"
+    assert timeline.record(1, {**shape(schedule="interleaved_1f1b"), "stages_per_worker": 3}, {})["chunks"] == 3
+    # absent: the schedule's default, as the spec's (2 for interleaved_1f1b and zbv)
+    assert timeline.record(1, shape(schedule="zbv"), {})["chunks"] == 2
+    assert timeline.record(1, shape(schedule="interleaved_1f1b"), {})["chunks"] == 2
+    assert timeline.record(1, shape(schedule="zb_h1"), {})["chunks"] == 1
+
+
+@pytest.mark.parametrize("schedule, chunks, where", [("zb_h1", 1, "loop"), ("interleaved_1f1b", 2, "loop"),
+                                                     ("interleaved_1f1b", 3, "loop"), ("zbv", 2, "v")])
+def test_planned_order_of_every_schedule(schedule, chunks, where):
+    pp, m = 3, 6
+    plan = schedules.build(schedule, pp, m, chunks)
+    kinds = "FBW" if schedule in schedules.SPLIT else "FB"
+    for s in range(pp):
+        assert timeline.planned_order(schedule, pp, m, 0, s, chunks) == [str(a) for a in plan.order[s]]
+        row = timeline.planned_order(schedule, pp, m, 1, s, chunks)
+        acts = [schedules.Action.parse(a) for a in row]
+        mine = schedules.chunks_of(s, pp, chunks, where)
+        # each of the worker's chunks runs each kind once for each of replica 1's microbatches m..2m-1
+        assert sorted((a.stage, a.kind, a.mb) for a in acts) == \
+            sorted((vs, k, mb) for vs in mine for k in kinds for mb in range(m, 2 * m))
+    assert timeline.planned_order("zbv", 2, 2, 0, 1, 2)[0] == "1F0"  # worker 1 holds chunks 1 and 2
+
+
+def test_zbv_holds_the_v_and_interleaved_the_loop():
+    assert {schedules.Action.parse(a).stage for a in timeline.planned_order("zbv", 2, 2, 0, 0, 2)} == {0, 3}
+    assert {schedules.Action.parse(a).stage for a in timeline.planned_order("zbv", 2, 2, 0, 1, 2)} == {1, 2}
+    inter = timeline.planned_order("interleaved_1f1b", 2, 2, 1, 1, 2)
+    assert {schedules.Action.parse(a).stage for a in inter} == {1, 3} and "3B2" in inter
+
+
+@pytest.mark.parametrize("schedule, chunks", [("zb_h1", 1), ("interleaved_1f1b", 2), ("zbv", 2)])
+def test_check_knows_w_and_virtual_stages(schedule, chunks):
+    e = timeline.record(4, {**shape(schedule=schedule), "chunks": chunks},
+                        simulated_workers(schedule, chunks=chunks))
+    assert e["chunks"] == chunks
+    assert timeline.check(e) == []
+    # the view's JSON says the chunks too, so it checks as well (as the API test does)
+    v = timeline.view(e, [4])
+    assert v["chunks"] == chunks and timeline.check(
+        {**v, "workers": {lane["worker"]: [(b["action"], b["start"], b["end"]) for b in lane["actions"]]
+                          for lane in v["lanes"]}}) == []
+    assert v["utilization_plan"] == pytest.approx(timeline.plan_utilization(schedule, 2, 3, chunks=chunks))
+    assert v["utilization"] == pytest.approx(v["utilization_plan"])  # timed as the plan, no hops
+    # a worker that ran the wrong chunk's action is named
+    wrong = copy.deepcopy(e)
+    acts = wrong["workers"]["w1.1"]
+    name = acts[-1][0]
+    acts[-1][0] = name.replace(name[0], str(int(name[0]) ^ 1), 1)
+    plan = " ".join(timeline.planned_order(schedule, 2, 3, 1, 1, chunks))
+    assert timeline.check(wrong) == [f"w1.1 ran {' '.join(a for a, _, _ in acts)}; the plan is {plan}"]
+    # an interleaved entry read with another count of chunks is not its plan
+    if schedule == "interleaved_1f1b":
+        assert timeline.check({**e, "chunks": 3})
+
+
+def test_plan_utilization_of_split_and_chunked_schedules():
+    one = timeline.plan_utilization("1f1b", 4, 8)
+    assert timeline.plan_utilization("zb_h1", 4, 8) > one
+    assert timeline.plan_utilization("interleaved_1f1b", 4, 8, chunks=2) > one
+    assert timeline.plan_utilization("zbv", 4, 8, chunks=2) > one
+
+
+def test_svg_draws_w_boxes_in_their_own_shade_striped():
+    e = timeline.record(9, {**shape(schedule="zbv"), "chunks": 2}, simulated_workers("zbv", chunks=2))
+    v = timeline.view(e, [9], job="zb")
+    text = timeline.render_svg(v)
+    root = ET.fromstring(text)
+    assert root.find(f".//{SVG}pattern[@id='rt-weight']") is not None
+    lane = root.find(f".//{SVG}g[@data-lane='w0.1']")
+    boxes = lane.findall(f"{SVG}rect[@data-action]")
+    assert [b.get("data-action") for b in boxes] == timeline.planned_order("zbv", 2, 3, 0, 1, 2)
+    w = [b for b in boxes if b.get("data-kind") == "W"]
+    assert len(w) == 2 * 3  # two chunks x three microbatches
+    for b in w:
+        mb = int(b.get("data-mb"))
+        assert b.get("fill") == timeline.colour(mb, "W")
+        assert b.get("fill") not in {timeline.colour(mb, "F"), timeline.colour(mb, "B")}
+        assert "weight-gradient backward of microbatch" in b.find(f"{SVG}title").text
+    b_box = lane.find(f"{SVG}rect[@data-action='1B0']")
+    assert "input-gradient backward of microbatch 0" in b_box.find(f"{SVG}title").text
+    assert len(lane.findall(f"{SVG}rect[@class='weight-stripes']")) == len(w)
+    assert "zbv (2 chunks per worker)" in text and "B = W = forward" in text

@@ -442,18 +442,44 @@ function drawShape(job) {
     body.replaceChildren();
     return;
   }
-  $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule} with ` +
+  const chunks = shapeChunks(shape);
+  $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule}` +
+    (chunks > 1 ? ` (${chunks} model chunks per worker)` : "") + ` with ` +
     `${shape.microbatches_per_replica} microbatches per replica, transport ${shape.transport}` +
     (shape.gpus_per_worker ? `, ${shape.gpus_per_worker} GPU per worker` : ", CPU workers");
   const starts = [0];
   for (const n of shape.partition || []) starts.push(starts[starts.length - 1] + n);
   const rows = Object.entries(shape.workers || {}).map(([w, node]) => {
     const s = Number(w.split(".")[1]);
-    const layers = shape.partition ? `stage ${s}: layers ${starts[s]}–${starts[s + 1] - 1}` : `stage ${s}`;
+    let layers = `stage ${s}`;
+    if (shape.partition && chunks === 1) layers = `stage ${s}: layers ${starts[s]}–${starts[s + 1] - 1}`;
+    else if (shape.partition) {  // the worker's model chunks (virtual stages), in model order
+      const mine = chunksOf(s, shape.pp, chunks, shape.placement || (shape.schedule === "zbv" ? "v" : "loop"));
+      layers = `stages ${mine.join(", ")}: layers ` +
+        mine.map((vs) => `${starts[vs]}–${starts[vs + 1] - 1}`).join(", ");
+    }
     return el("tr", { "data-worker": w, "data-node": node || "" }, el("td", { class: "mono", text: w }),
       el("td", { text: layers }), el("td", { class: "mono", text: node ? node.slice(0, 12) : "?", title: node || "" }));
   });
   body.replaceChildren(...rows);
+}
+
+// Model chunks per worker (parallelism.stages_per_worker) of a shape: interleaved_1f1b and zbv
+// cut the model into pp x chunks virtual stages; the partition lists the layers of each.
+function shapeChunks(shape) {
+  return Number(shape.chunks || shape.stages_per_worker) ||
+    (shape.schedule === "zbv" || shape.schedule === "interleaved_1f1b" ? 2 : 1);
+}
+
+// The virtual stages pipeline rank `rank` holds (service/schedules.py chunks_of): "loop" puts
+// chunk k on worker k mod pp; zbv's "v" gives worker i the chunks i and 2pp-1-i.
+function chunksOf(rank, pp, chunks, where) {
+  const out = [];
+  for (let vs = 0; vs < pp * chunks; vs++) {
+    const k = Math.floor(vs / pp), i = vs % pp;
+    if ((where === "v" && k % 2 ? pp - 1 - i : i) === rank) out.push(vs);
+  }
+  return out;
 }
 
 // ------------------------------------------------------------------ the swimlane (rendered by the server)
@@ -487,6 +513,7 @@ async function loadTimeline(v, job, gen) {
   const drawn = document.importNode(root, true);
   $("#swimlane").replaceChildren(drawn);
   $("#legend-eval").hidden = markEvalActions(drawn) === 0;
+  weightLegend().hidden = markWeightActions(drawn) === 0;
   v.timelineKey = key;
   $("#util-measured").textContent = fmtPct(root.getAttribute("data-utilization"));
   $("#util-plan").textContent = fmtPct(root.getAttribute("data-utilization-plan"));
@@ -514,6 +541,31 @@ function markEvalActions(root) {
     if (label && label.localName === "text" && label.textContent === m[0]) label.classList.add("eval-label");
   }
   return n;
+}
+
+// A split schedule's (zb_h1, zbv) weight gradients ("2W3": stage 2, W of microbatch 3) have their
+// own shade, striped (service/timeline.py colour()); its B boxes are the input gradient only.
+function markWeightActions(root) {
+  let n = 0;
+  for (const box of root.querySelectorAll("rect[data-action]")) {
+    if (box.getAttribute("data-kind") !== "W" && !/^\d+W\d+$/.test(box.getAttribute("data-action"))) continue;
+    n += 1;
+    box.classList.add("weight");
+  }
+  return n;
+}
+
+// The legend's W item (after "backward"), made once: shown while the timeline has W boxes.
+function weightLegend() {
+  let item = $("#legend-weight");
+  if (item) return item;
+  item = el("span", { class: "legend-item", "data-kind": "W", id: "legend-weight" },
+    el("i", { class: "swatch box weight" }), "weight gradient (W)");
+  item.hidden = true;
+  const legendBox = $("#swimlane-legend");
+  const backward = $('[data-kind="B"]', legendBox);
+  if (backward) backward.after(item); else legendBox.append(item);
+  return item;
 }
 
 // ------------------------------------------------------------------ curves

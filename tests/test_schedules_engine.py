@@ -1,0 +1,117 @@
+"""The schedules past 1F1B on a real local Ray: interleaved 1F1B (several model chunks per worker,
+loop placement), ZB-H1 (each backward split into its input gradient B and its weight gradient W)
+and ZB-V (2 chunks per worker in a V, split backward) equal a plain PyTorch loop for dp x pp in
+(1,2), (2,2), (1,4) on both transports; each worker holds at run time exactly the activations the
+schedule's plan holds; a resume in another shape and schedule ends where one run ends; and a
+fixed-shape job's next step is already queued on the workers when a step ends."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from actors.runner import run_job
+from service import checkpoint, schedules
+from service.spec import SpecError, parse_spec
+from tests import reference
+from tests.test_engine import assert_same_params, read_jsonl
+
+STEPS = 4
+
+
+def spec_of(dp, pp, schedule, transport, *, steps=STEPS, **over):
+    """An MLP with its ReLUs as entries of their own (11 entries: chunks with no parameters too)."""
+    d = {
+        "name": f"sch-{dp}x{pp}-{schedule}-{transport}".replace("_", "-"),
+        "model": {"kind": "regression_mlp", "args": {"in_features": 16, "hidden": 32, "layers": 5,
+                                                     "separate_activations": True}},
+        "data": {"kind": "regression", "args": {"n": 256}},
+        "loss": "mse",
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 5, "shuffle": True},
+        "parallelism": {"dp": dp, "pp": pp, "schedule": schedule, "transport": transport, "partition": "uniform"},
+    }
+    for k, v in over.items():
+        d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
+    return parse_spec(d)
+
+
+CASES = [(s, dp, pp, t) for s in ("interleaved_1f1b", "zb_h1", "zbv") for dp, pp in ((1, 2), (2, 2), (1, 4))
+         for t in ("collective", "object_store")]
+
+
+@pytest.mark.parametrize("schedule, dp, pp, transport", CASES)
+def test_every_schedule_equals_plain_pytorch(ray_session, tmp_path, schedule, dp, pp, transport):
+    spec = spec_of(dp, pp, schedule, transport)
+    final = run_job(spec=spec, out=str(tmp_path), progress=False)
+    want, losses = reference.train(spec)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    # the activations each worker held at once, counted as its actions ran: the plan's peak
+    v = spec.parallelism.chunks
+    plan = schedules.build(schedule, pp, spec.microbatches // dp, v)
+    assert all(r["peak_live"] == schedules.peak_in_flight(plan) for r in rows)
+    assert 0 < rows[-1]["bubble_plan"] < 1
+    shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
+    assert shape["stages_per_worker"] == v and len(shape["partition"]) == pp * v
+    # the measured order of the newest step is the plan's: W actions where the plan has them
+    tl = final["timelines"][-1]["workers"]
+    for (r, s) in [(r, s) for r in range(dp) for s in range(pp)]:
+        got = [a for a, _, _ in tl[f"w{r}.{s}"]]
+        m = spec.microbatches // dp
+        assert got == [f"{a.stage}{a.kind}{r * m + a.mb}" for a in plan.order[s]]
+    assert any("W" in a for lane in tl.values() for a, _, _ in lane) == (schedule in schedules.SPLIT)
+
+
+def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):
+    """ZB-V on 1x2 (chunks 0 and 3 on worker 0) writes a checkpoint; interleaved 1F1B on 2x2 with
+    chunks on other workers resumes from it and ends equal to one uninterrupted loop."""
+    ckpt = tmp_path / "ckpt"
+    first = spec_of(1, 2, "zbv", "collective", steps=3, checkpoint={"every_steps": 3, "path": str(ckpt)})
+    run_job(spec=first, out=str(tmp_path / "a"), progress=False)
+    [saved] = checkpoint.list_checkpoints(ckpt)
+    second = spec_of(2, 2, "interleaved_1f1b", "object_store", steps=6,
+                     checkpoint={"every_steps": 0, "path": str(ckpt)})
+    final = run_job(spec=second, out=str(tmp_path / "b"), progress=False, resume=str(saved))
+    want, losses = reference.train(second)
+    assert_same_params(torch.load(tmp_path / "b" / "model.pt"), want)
+    assert [m["loss"] for m in final["metrics"]] == pytest.approx(losses[3:], rel=1e-4)
+
+
+def test_the_next_step_is_queued_before_the_step_ends(ray_session, tmp_path):
+    """On a fixed shape the call of step s + 1 reaches a worker while step s runs: the worker
+    starts it the moment step s ends (no scheduler round trip between them), except where a
+    checkpoint is due (the state is read between the two steps)."""
+    spec = spec_of(1, 2, "1f1b", "collective", steps=8,
+                   checkpoint={"every_steps": 4, "path": str(tmp_path / "ckpt")})
+    final = run_job(spec=spec, out=str(tmp_path), progress=False)
+    rows = final["metrics"]
+    queued = [r["step"] for r in rows if r.get("queued_early")]
+    # steps 2-4 and 6-8 were sent while the step before ran; 5 waited for the checkpoint of step 4
+    assert queued == [2, 3, 4, 6, 7, 8]
+    want, _ = reference.train(spec)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
+
+
+@pytest.mark.parametrize("over, says", [
+    ({"schedule": "zbv", "stages_per_worker": 3}, "zbv places exactly 2 model chunks"),
+    ({"schedule": "1f1b", "stages_per_worker": 2}, "needs a schedule that places several model chunks"),
+    ({"schedule": "interleaved_1f1b", "stages_per_worker": 2, "partition": [3, 3, 3]}, "one layer count per model chunk"),
+])
+def test_bad_schedule_fields_say_what_to_change(over, says):
+    with pytest.raises(SpecError, match=says):
+        spec_of(1, 2, "1f1b", "collective", parallelism={"dp": 1, "pp": 2, **over})
+
+
+def test_more_chunks_than_layers_is_refused_before_any_actor_starts(tmp_path):
+    from service.loading import preflight
+
+    spec = spec_of(1, 4, "interleaved_1f1b", "collective", parallelism={"stages_per_worker": 3})
+    with pytest.raises(SpecError, match=r"12 chunks of at least one layer, but it has only 11 layers"):
+        preflight(spec, [])
+    spec = spec_of(1, 2, "zb_h1", "collective", training={"activation_checkpointing": True})
+    with pytest.raises(SpecError, match="use 1f1b or interleaved_1f1b with checkpointing"):
+        preflight(spec, [])
+    assert json.dumps(spec.model_dump(mode="json"))  # the spec itself is fine
