@@ -33,7 +33,7 @@ ENTRIES = [0.01, 10, 0.01, 10, 10, 0.01, 10, 0.01, 0.01, 0.01, 10, 0.01, 10, 0.0
 
 
 def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float64", model=None, costs=COSTS,
-                 separate_activations=False, recipe=None, **elastic):
+                 separate_activations=False, recipe=None, schedule="1f1b", **elastic):
     """``recipe``: {"schedule": ..., "grad_clip_norm": ...} (issue 16's training recipe)."""
     wide = {"float32": 1, "float64": 2}[dtype]
     recipe = recipe or {}
@@ -49,7 +49,7 @@ def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float
         "training": {"global_batch_size": 64, "microbatch_size": 8, "steps": steps, "seed": 3,
                      **({"grad_clip_norm": recipe["grad_clip_norm"]} if "grad_clip_norm" in recipe else {})},
         # the planner's costs are declared, not profiled: its choices do not depend on a noisy CPU
-        "parallelism": {"dp": dp, "pp": pp, "transport": transport,
+        "parallelism": {"dp": dp, "pp": pp, "transport": transport, "schedule": schedule,
                         "layer_costs_ms": costs},
         # the whole model (~1.25 MB in float32 with gradients and momentum, twice that in float64) does not fit one
         # worker, half of it does:
@@ -167,11 +167,12 @@ def final_params(tmp_path):
 
 def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
     """A user's model with parameterless entries (activations, a reshape, a dropout): the
-    reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold."""
+    reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold.  In ZB-V:
+    each worker holds two model chunks in a V, and the reshape moves every chunk."""
     with_nodes(cluster, 4)
     # with the training recipe: a warm-up and cosine decay that follow the step count across the
     # reshape, and clipping that acts on most steps (the gradient norm's median here is 4.6)
-    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES,
+    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES, schedule="zbv",
                         recipe={"schedule": {"name": "cosine", "warmup_steps": 5, "min_lr": 0.005}, "grad_clip_norm": 3.0})
     job = Job(spec, tmp_path, spec_dir=FIXTURES)
     p = job.wait_step(10)
@@ -193,7 +194,7 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
 def test_node_added_mid_run_scales_up(cluster, tmp_path):
     with_nodes(cluster, 2)
     spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400, separate_activations=True,
-                        costs=SEPARATE)  # the new workers take ReLU entries: built, not copied
+                        costs=SEPARATE, schedule="zb_h1")  # the new workers take ReLU entries: built, not copied
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)  # the preferred 2x2 does not fit 2 slots
@@ -209,7 +210,7 @@ def test_node_added_mid_run_scales_up(cluster, tmp_path):
 
 def test_shrink_then_grow_changes_pp_and_dp(cluster, tmp_path):
     with_nodes(cluster, 4)
-    spec = elastic_spec("shrink-grow", 2, 2, steps=400)
+    spec = elastic_spec("shrink-grow", 2, 2, steps=400, schedule="interleaved_1f1b")  # 2 chunks per worker
     job = Job(spec, tmp_path)
     p = job.wait_step(8)
     cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.0"]))  # graceful: SIGTERM
