@@ -197,5 +197,11 @@ class FakeKeeper:
     def forget_pending(self) -> None:
         pass
 
+    def due(self, committed: int, spec) -> bool:
+        return False
+
+    def finish_writing(self) -> None:
+        pass
+
     def write_final(self, committed: int, out: dict) -> dict:
         return {"metadata": {"total_size": 0, "step": committed}, "weight_map": {}}
