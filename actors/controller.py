@@ -112,11 +112,15 @@ class JobController:
     # ---------------------------------------------------------------- starting
 
     def _start(self, state: Starting) -> State:
+        early: dict = {}
         if self.layers is None:
             self.record.event("started", f"job {self.job_id} started")
+            self.group.gpus = self.group.gpus_per_worker()
+            if not self.elastic and not self.group.workers:  # its workers start while the model is traced
+                p = self.spec.parallelism
+                early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pp)])
             self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
-            self.group.gpus = self.group.gpus_per_worker()
             if self.elastic:
                 self.usable = policy.usable_sizes(self.spec, self.layers.facts)
         if self.elastic:
@@ -137,7 +141,11 @@ class JobController:
             why = "the spec's shape"
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
-        self.reshaper.install(shape, why, {}, start, self.layers.boundary(shape), copy=copy, donors={})
+        try:
+            self.reshaper.install(shape, why, early, start, self.layers.boundary(shape), copy=copy, donors={})
+        except BaseException:
+            self.group.stop_others(early.values())
+            raise
         self._announce(shape, why)
         if copy:
             self.record.go_back(start)

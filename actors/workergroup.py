@@ -60,6 +60,8 @@ class WorkerGroup:
 
     def spawn(self, cells: list, actor_names: Optional[list[str]] = None) -> dict:
         """New worker actors for ``cells`` (not configured yet)."""
+        if not cells:
+            return {}
         cpus = self.spec.resources.cpus_per_worker
         Worker = ray.remote(StageWorker)
         spec_dict = self.spec.model_dump(mode="json")
