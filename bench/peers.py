@@ -1,28 +1,58 @@
-"""relaytrain against its peers on one machine, in one run, side by side:
+"""relaytrain against its peers on one machine, in one run, side by side (issue 19, "Schedules
+past 1F1B"):
 
-- torch.distributed.pipelining ``Schedule1F1B`` and ``ScheduleGPipe`` (2 processes, gloo,
-  manual ``PipelineStage``s) against relaytrain 1F1B and GPipe with p = 2 on each transport;
-- Ray Train v2 ``TorchTrainer`` with DDP on 2 workers against relaytrain dp = 2, pp = 1;
+- torch.distributed.pipelining, p = 2 processes over gloo with manual ``PipelineStage``s, each
+  stage one chunk of the model: ``Schedule1F1B``; ``ScheduleInterleavedZeroBubble`` with one
+  stage per process (ZB-H1: the backward split into input and weight gradients, the weight
+  gradients filling the bubble); ``ScheduleInterleaved1F1B`` and ``ScheduleInterleavedZeroBubble``
+  with v = 2 stages per process (loop placement: rank r holds stages r and r + p);
+  ``ScheduleZBVZeroBubble`` (V placement: rank r holds stages r and 2p-1-r); ``ScheduleGPipe``
+  with ``--torch-schedules ... gpipe``;
+- relaytrain with p = 2 on its collective transport, its real ``JobScheduler`` and
+  ``StageWorker``s: 1F1B, interleaved 1F1B (v = 2), ZB-H1 and ZB-V (``parallelism.schedule``,
+  ``parallelism.stages_per_worker``); GPipe and the object-store transport on request
+  (``--schedules``, ``--transports``);
+- Ray Train v2 ``TorchTrainer`` with DDP on 2 workers against relaytrain dp = 2, pp = 1, at
+  microbatches of 64 rows only (Ray Train's replicas take peers_spec's default microbatch);
 - one process, one thread, microbatched (the base line);
 
-for M in {4, 8, 16} microbatches of 64 samples (``bench/peers_spec.py`` holds the model).
+for M in {4, 8, 16} microbatches of 16, 32 and 64 rows (``bench/peers_spec.py`` holds the model,
+the MLP 1024-1024x8-10 of the issue's held-out comparison, which is 32 rows at M = 8).  Every
+pipeline cuts the model into the same p x v chunks (``peers_spec.chunk_sizes``: what relaytrain's
+balanced partition makes of these layers; p x v = 4: entries [0, 2) [2, 4) [4, 6) [6, 9)), and
+relaytrain's own report of its chunks and their placement is checked against them before timing.
+
+p = 2 only by default: ``--pp 4`` runs 4 processes (or Ray workers) per pipeline on the 2 cores,
+which then time-share: while one waits in the schedule's bubble another computes, so the bubble
+is hidden by contention and p = 4 figures from a 2-core machine say nothing about the schedules.
 
     make bench-peers                      # installs the `bench` extra, then runs the full bench
-    .venv/bin/python bench/peers.py [--quick] [--ms 4 8 16] [--rounds 6] [--steps 5]
+    .venv/bin/python bench/peers.py [--quick] [--ms 4 8 16] [--mbs 16 32 64] [--rounds 4] [--steps 4]
 
 Every contestant first runs ``--check`` steps from the same initial parameters; their loss
 sequences and then their parameters must agree with the single process's (to float
 tolerance) or the bench stops and says where; the losses of every later step are checked
-too.  Then, for each M, ``--rounds`` rounds run the contestants one after another (the order
-rotates every round), each for 1 warm-up step plus ``--steps`` timed steps: 30 timed steps
-per contestant and M by default (20 with ``--quick``, which runs M = 8 only), one thread per
-worker.  A step's time is the wall time between the ends of two consecutive steps as seen
-by the process that drives them (relaytrain: its scheduler, at each step's metrics row; the
-others: the later of their ranks' ends, after the optimizer step), so it holds everything a
-step costs, dispatch included.
+too.  (A relaytrain contestant that cannot run at all -- its engine does not know the
+schedule yet -- is left out and listed as such in the report; one that trains differently stops
+the bench.)  Then, for each (mbs, M), ``--rounds`` rounds run the contestants one after another
+(the order rotates every round), each for 1 warm-up step plus ``--steps`` timed steps: 16 timed
+steps per contestant and (mbs, M) by default (12 with ``--quick``, which runs mbs = 32, M = 8
+only), one thread per worker.  A step's time is the wall time between the ends of two
+consecutive steps as seen by the process that drives them (relaytrain: its scheduler, at each
+step's metrics row; the others: the later of their ranks' ends, after the optimizer step), so
+it holds everything a step costs, dispatch included.
 
-Writes bench/results/peers.json, peers.txt (the table) and peers.png (step time against M;
-``--quick``: peers_quick.*).
+The report, per (mbs, M): every contestant's step time (median, interquartile range);
+relaytrain's best schedule against torch's best (torch's median over relaytrain's; goal >= 1.1);
+relaytrain's measured bubble per schedule (the metrics row's ``bubble``; goal: ZB-H1's at most
+half of 1F1B's at M = 8); the pipeline efficiency (one process's step time / p) / relaytrain's
+step time (goal >= 0.8 at M = 8); and where the step of relaytrain's best schedule goes (compute
+and waiting per worker, all-reduce, the deferred optimizer step, building the batch, and
+dispatch, gather and the scheduler's own work).
+
+Writes bench/results/peers.json, peers.txt (the tables) and peers.png (step time against M, one
+panel per microbatch size; ``--quick``: peers_quick.*).  The full run takes about 20 minutes on
+2 cores.
 """
 from __future__ import annotations
 
@@ -66,13 +96,29 @@ def load() -> list[float]:
 
 # ---------------------------------------------------------------- contestants
 
+# relaytrain's schedules (parallelism.schedule) and torch's (bench/peers_procs.py: TORCH_SCHEDULES), as labelled
+RELAY_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "interleaved 1F1B v=2", "zb_h1": "ZB-H1",
+                "zbv": "ZB-V"}
+TORCH_LABELS = {"gpipe": "GPipe", "1f1b": "1F1B", "zb_h1": "InterleavedZeroBubble v=1 (ZB-H1)",
+                "interleaved_1f1b": "Interleaved1F1B v=2", "interleaved_zb": "InterleavedZeroBubble v=2",
+                "zbv": "ZBVZeroBubble (V)"}
+RELAY_DEFAULT = ["1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
+TORCH_DEFAULT = ["1f1b", "zb_h1", "interleaved_1f1b", "interleaved_zb", "zbv"]
+TORCH_CHUNKS = {"interleaved_1f1b": 2, "interleaved_zb": 2, "zbv": 2}
+
+
 class Contestant:
     """A name, a group (``base``, ``pipeline`` or ``dp``), and run(n) -> n step records."""
 
     name: str
     group: str
+    system: str = ""         # "single", "torch", "relaytrain" or "raytrain"
+    schedule: Optional[str] = None
+    transport: Optional[str] = None
+    engine: Optional[str] = None
     peer: bool = False       # a system relaytrain is compared with
     pp = 1
+    chunks = 1               # model chunks per pipeline worker
 
     def start(self) -> None: ...
     def ready(self) -> None: ...
@@ -90,9 +136,13 @@ def _free_port() -> int:
 class Processes(Contestant):
     """The single process or torch.distributed.pipelining (bench/peers_procs.py)."""
 
-    def __init__(self, name: str, group: str, kind: str, world: int, m: int, schedule: str = "1f1b"):
-        self.name, self.group, self.kind, self.world, self.m, self.schedule = name, group, kind, world, m, schedule
+    def __init__(self, name: str, group: str, kind: str, world: int, m: int, schedule: str = "1f1b",
+                 mbs: int = peers_spec.MBS):
+        self.name, self.group, self.kind, self.world, self.m, self.mbs = name, group, kind, world, m, mbs
         self.peer = kind == "torch_pp"
+        self.system = "torch" if self.peer else "single"
+        self.schedule = schedule if self.peer else None
+        self.chunks = TORCH_CHUNKS.get(schedule, 1) if self.peer else 1
         self.pp = world
         self.procs, self.conns = [], []
 
@@ -104,7 +154,7 @@ class Processes(Contestant):
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=peers_procs.serve, args=(child, self.kind, rank, self.world, port, self.m,
-                                                           self.schedule), daemon=True)
+                                                           self.schedule or "1f1b", self.mbs), daemon=True)
             p.start()
             self.procs.append(p)
             self.conns.append(parent)
@@ -161,11 +211,17 @@ class Processes(Contestant):
 
 
 class RelayContestant(Contestant):
+    system = "relaytrain"
+
     def __init__(self, name: str, group: str, spec, steps: int, engine: Optional[str] = None):
         from peers_relay import Relaytrain
 
         self.name, self.group = name + (f" [engine {engine}]" if engine else ""), group
         self.pp = spec.parallelism.pp
+        self.schedule = spec.parallelism.schedule if self.pp > 1 else None
+        self.chunks = getattr(spec.parallelism, "stages_per_worker", 1) or 1
+        self.transport = spec.parallelism.transport
+        self.engine = engine
         self.job = Relaytrain(spec, steps, engine)
 
     def start(self) -> None:
@@ -186,6 +242,7 @@ class RelayContestant(Contestant):
 class RayTrainContestant(Contestant):
     NAME = "Ray Train TorchTrainer DDP, 2 workers"
     peer = True
+    system = "raytrain"
 
     def __init__(self, trainer, m: int):
         self.name, self.group, self.trainer, self.m = self.NAME, "dp", trainer, m
@@ -200,27 +257,53 @@ class RayTrainContestant(Contestant):
         return self.trainer.params()
 
 
-def contestants(m: int, steps: int, raytrain, which: set[str], only: Optional[list[str]] = None,
-                engines: Optional[list[str]] = None) -> list[Contestant]:
-    S = peers_spec.spec
-    out: list[Contestant] = [Processes("single process, 1 thread", "base", "single", 1, m)]
-    if "pipeline" in which:
-        for sched, label in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            out.append(Processes(f"torch.pipelining {label}", "pipeline", "torch_pp", 2, m, sched))
-        for sched, label in (("1f1b", "1F1B"), ("gpipe", "GPipe")):
-            for transport in ("collective", "object_store"):
-                out.append(RelayContestant(f"relaytrain {label} {transport}", "pipeline",
-                                           S(m, pp=2, schedule=sched, transport=transport), steps))
-    if "dp" in which:
-        if raytrain is not None:
-            out.append(RayTrainContestant(raytrain, m))
-        out.append(RelayContestant("relaytrain dp=2 pp=1", "dp", S(m, dp=2, transport="collective"), steps))
-    if only:  # the single process stays: it is the reference the others are checked against
-        out = [out[0]] + [c for c in out[1:] if any(o in c.name for o in only)]
-    for folder in engines or []:  # A/B: every relaytrain contestant again, on the engine in that folder
+def relay_spec(m: int, mbs: int, **kw):
+    """peers_spec's job for relaytrain, or (None, why) when this engine does not take it.  A
+    chunked schedule's spec names its p x v chunks; should the engine take only its balanced
+    partition for those, that one (the chunks are compared after the first steps anyway)."""
+    try:
+        return peers_spec.spec(m, mbs=mbs, **kw), None
+    except ValueError as e:
+        why = str(e)
+    if peers_spec.CHUNKS.get(kw.get("schedule", "1f1b"), 1) > 1 and kw.get("pp", 1) > 1:
+        try:
+            return peers_spec.spec(m, mbs=mbs, partition="balanced", **kw), None
+        except ValueError:
+            pass
+    return None, why
+
+
+def contestants(m: int, mbs: int, steps: int, raytrain, args) -> tuple[list[Contestant], list[dict]]:
+    """The contestants of one (mbs, M), and those left out (with why)."""
+    p = args.pp
+    out: list[Contestant] = [Processes("single process, 1 thread", "base", "single", 1, m, mbs=mbs)]
+    skipped: list[dict] = []
+    if "pipeline" in args.which:
+        for sched in args.torch_schedules:
+            out.append(Processes(f"torch.pipelining {TORCH_LABELS[sched]}", "pipeline", "torch_pp", p, m, sched, mbs))
+        for sched in args.schedules:
+            for transport in args.transports:
+                name = f"relaytrain {RELAY_LABELS[sched]} {transport}"
+                spec, why = relay_spec(m, mbs, pp=p, schedule=sched, transport=transport)
+                if spec is None:
+                    log(f"!!! {name} left out: this engine does not take its spec: {why.splitlines()[0]}")
+                    skipped.append({"contestant": name, "reason": why})
+                else:
+                    out.append(RelayContestant(name, "pipeline", spec, steps))
+    if "dp" in args.which:
+        if mbs != peers_spec.MBS:
+            pass  # Ray Train's replicas build peers_spec's default microbatch: the dp pair runs at that size only
+        else:
+            if raytrain is not None:
+                out.append(RayTrainContestant(raytrain, m))
+            out.append(RelayContestant("relaytrain dp=2 pp=1", "dp",
+                                       peers_spec.spec(m, mbs=mbs, dp=2, transport="collective"), steps))
+    if args.only:  # the single process stays: it is the reference the others are checked against
+        out = [out[0]] + [c for c in out[1:] if any(o in c.name for o in args.only)]
+    for folder in args.ab_engine or []:  # A/B: every relaytrain contestant again, on the engine in that folder
         out += [RelayContestant(c.name, c.group, c.job.spec, steps, folder) for c in out
                 if isinstance(c, RelayContestant) and c.job.engine is None]
-    return out
+    return out, skipped
 
 
 # ---------------------------------------------------------------- checks and rounds
@@ -263,27 +346,54 @@ def check_params(params: dict[str, dict], what: str) -> float:
     return worst
 
 
-def run_m(m: int, args, raytrain) -> dict:
+def run_cell(m: int, mbs: int, args, raytrain) -> dict:
+    """One (mbs, M): start the contestants, check they train alike, time them in rounds."""
     steps_total = args.check + args.rounds * (1 + args.steps)
-    cs = contestants(m, steps_total, raytrain, set(args.which), args.only, args.ab_engine)
-    log(f"M={m}: starting {len(cs)} contestants (load {load()})")
+    cs, skipped = contestants(m, mbs, steps_total, raytrain, args)
+    started = list(cs)
+    tag = f"mbs={mbs} M={m}"
+    log(f"{tag}: starting {len(cs)} contestants (load {load()})")
     t0 = time.time()
+
+    def leave_out(c: Contestant, e: BaseException) -> None:
+        """A relaytrain contestant that cannot run (an engine without its schedule): reported, not timed."""
+        if not isinstance(c, RelayContestant):
+            raise e
+        log(f"!!! {tag}: {c.name} left out: it failed: {str(e).strip().splitlines()[-1][:300]}")
+        skipped.append({"contestant": c.name, "reason": str(e)})
+        cs.remove(c)
+
     try:
-        for c in cs:
-            c.start()
-        for c in cs:
-            c.ready()
+        for c in list(cs):
+            try:
+                c.start()
+            except Exception as e:
+                leave_out(c, e)
+        for c in list(cs):
+            try:
+                c.ready()
+            except Exception as e:
+                leave_out(c, e)
+        t_ready = time.time() - t0
         losses = {c.name: [] for c in cs}
         # the same steps from the same parameters: the loss sequences must agree first
-        for c in cs:
-            recs = c.run(args.check)
+        for c in list(cs):
+            try:
+                recs = c.run(args.check)
+            except Exception as e:
+                leave_out(c, e)
+                continue
             losses[c.name] += [r["loss"] for r in recs]
-        worst = check_losses(losses, f"M={m}, the first {args.check} steps")
-        dparam = check_params({c.name: c.params() for c in cs}, f"M={m}, after {args.check} steps")
-        log(f"M={m}: {len(cs)} contestants up and agreeing after {args.check} steps (largest relative loss "
-            f"difference {worst:.1e}, largest parameter difference {dparam:.1e}) after {time.time() - t0:.0f} s")
+        losses = {c.name: losses[c.name] for c in cs}
+        worst = check_losses(losses, f"{tag}, the first {args.check} steps")
+        dparam = check_params({c.name: c.params() for c in cs}, f"{tag}, after {args.check} steps")
+        shapes = check_chunks(cs, tag)
+        log(f"{tag}: {len(cs)} contestants up and agreeing after {args.check} steps (largest relative loss "
+            f"difference {worst:.1e}, largest parameter difference {dparam:.1e}) after {time.time() - t0:.0f} s "
+            f"(up in {t_ready:.0f} s)")
         times = {c.name: [] for c in cs}
         bubbles = {c.name: [] for c in cs}
+        plans = {c.name: [] for c in cs}
         extra = {c.name: [] for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
@@ -293,26 +403,31 @@ def run_m(m: int, args, raytrain) -> dict:
                 ends = [x["end"] for x in recs]
                 times[c.name] += [b - a for a, b in zip(ends, ends[1:])]
                 bubbles[c.name] += [x["bubble"] for x in recs[1:] if x.get("bubble") is not None]
+                plans[c.name] += [x["bubble_plan"] for x in recs[1:] if x.get("bubble_plan") is not None]
                 keep = ("scheduler_wall_s", "work_span_s", "allreduce_s", "workers", "dispatched", "span", "busy")
-                extra[c.name] += [dict({k: x[k] for k in keep if k in x}, previous_end=a["end"])
-                                  for a, x in zip(recs, recs[1:])]
-            log(f"M={m}: round {r + 1}/{args.rounds} done (load {load()})")
-        worst = check_losses(losses, f"M={m}, all {len(losses[cs[0].name])} steps")
+                extra[c.name] += [dict({k: x[k] for k in keep if k in x}, previous_end=a["end"],
+                                       previous_workers=a.get("workers")) for a, x in zip(recs, recs[1:])]
+            log(f"{tag}: round {r + 1}/{args.rounds} done (load {load()})")
+        worst = check_losses(losses, f"{tag}, all {len(losses[cs[0].name])} steps")
     finally:
-        for c in cs:
+        for c in started:
             try:
                 c.stop()
             except Exception as e:
                 log(f"stopping {c.name}: {e}")
-    plan = float(_plan_bubble(m))
     rows = []
     for c in cs:
         ts = sorted(times[c.name])
         q1, med, q3 = _quartiles(ts)
-        row = {"contestant": c.name, "group": c.group, "peer": c.peer, "M": m, "B": m * peers_spec.MBS,
-               "step_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "samples_per_s": m * peers_spec.MBS / med,
-               "timed_steps": len(ts), "bubble": statistics.median(bubbles[c.name]) if bubbles[c.name] else None,
-               "bubble_plan": plan if c.pp == 2 else None, "times_s": times[c.name], "losses": losses[c.name]}
+        row = {"contestant": c.name, "system": c.system, "schedule": c.schedule, "transport": c.transport,
+               "engine": c.engine, "group": c.group, "peer": c.peer, "M": m, "mbs": mbs, "B": m * mbs, "pp": c.pp,
+               "chunks": c.chunks, "step_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1,
+               "samples_per_s": m * mbs / med, "timed_steps": len(ts),
+               "bubble": statistics.median(bubbles[c.name]) if bubbles[c.name] else None,
+               "bubble_plan": statistics.median(plans[c.name]) if plans[c.name] else None,
+               "times_s": times[c.name], "losses": losses[c.name]}
+        if c.name in shapes:
+            row["shape"] = shapes[c.name]
         if extra[c.name] and "workers" in extra[c.name][0]:
             row["relaytrain"] = _relay_breakdown(extra[c.name], med)
         elif extra[c.name] and "span" in extra[c.name][0]:  # the processes: compute per rank, and the rest
@@ -322,20 +437,82 @@ def run_m(m: int, args, raytrain) -> dict:
                                 "busy_s": [statistics.median(e["busy"][r] for e in ex)
                                            for r in range(len(ex[0]["busy"]))]}
         rows.append(row)
+    plan_of = {r["schedule"]: r["bubble_plan"] for r in rows
+               if r["system"] == "relaytrain" and r["bubble_plan"] is not None and r["pp"] > 1}
+    single = rows[0]["step_s"]
     for row in rows:
+        if row["system"] == "torch" and row["bubble_plan"] is None:
+            row["bubble_plan"] = plan_of.get(row["schedule"], _plan_bubble(row["schedule"], row["pp"], m,
+                                                                           row["chunks"]))
+        if row["group"] == "pipeline":
+            row["efficiency"] = single / row["pp"] / row["step_s"]
         peers = [r for r in rows if r["peer"] and r["group"] == row["group"]]
         if peers and row["group"] != "base":
             best = min(peers, key=lambda r: r["step_s"])
             row["vs_best_peer"] = best["step_s"] / row["step_s"]
             row["best_peer"] = best["contestant"]
-    log(f"M={m}: done in {time.time() - t0:.0f} s; largest relative loss difference {worst:.1e}")
-    return {"M": m, "rows": rows, "max_rel_loss_diff": worst, "max_param_diff_after_check": dparam}
+    log(f"{tag}: done in {time.time() - t0:.0f} s; largest relative loss difference {worst:.1e}")
+    return {"M": m, "mbs": mbs, "pp": args.pp, "rows": rows, "summary": summarize(rows, args.pp, m),
+            "left_out": skipped, "max_rel_loss_diff": worst, "max_param_diff_after_check": dparam,
+            "seconds": time.time() - t0}
 
 
-def _plan_bubble(m: int):
+def check_chunks(cs: list[Contestant], tag: str) -> dict[str, dict]:
+    """relaytrain's pipelines run the chunks torch's stages hold (peers_spec.chunk_sizes, placed
+    as the schedule places them), or the bench stops: their step times would not compare."""
+    shapes = {}
+    for c in cs:
+        if not isinstance(c, RelayContestant) or c.pp < 2:
+            continue
+        got = c.job.shape()
+        shapes[c.name] = got
+        v = peers_spec.CHUNKS.get(c.schedule, 1)
+        want = {"sizes": peers_spec.chunk_sizes(c.pp * v), "chunks": v,
+                "placement": peers_spec.PLACEMENT.get(c.schedule, "loop")}
+        if any(got[k] != w for k, w in want.items()):
+            raise SystemExit(f"peers: {tag}: {c.name} runs chunks {got['sizes']}, {got['chunks']} per worker, "
+                             f"{got['placement']} placement, where torch's stages hold {want['sizes']}, "
+                             f"{want['chunks']} per worker, {want['placement']} placement: nothing is timed on "
+                             "different cuts of the model")
+    return shapes
+
+
+def summarize(rows: list[dict], p: int, m: int) -> dict:
+    """relaytrain's best schedule against torch's best, its bubbles, its efficiency, and where the
+    best one's step goes (this engine's relaytrain pipelines only, not an A/B engine's)."""
+    relay = [r for r in rows if r["system"] == "relaytrain" and r["group"] == "pipeline" and not r["engine"]]
+    torch_rows = [r for r in rows if r["system"] == "torch"]
+    single = next(r for r in rows if r["system"] == "single")
+    out: dict = {"single_s": single["step_s"]}
+    pick = lambda r: {"contestant": r["contestant"], "schedule": r["schedule"], "step_s": r["step_s"]}  # noqa: E731
+    if relay:
+        best = min(relay, key=lambda r: r["step_s"])
+        out["relay_best"] = pick(best)
+        out["efficiency"] = single["step_s"] / p / best["step_s"]
+        out["where"] = best.get("relaytrain")
+    if torch_rows:
+        out["torch_best"] = pick(min(torch_rows, key=lambda r: r["step_s"]))
+    if relay and torch_rows:
+        out["ratio"] = out["torch_best"]["step_s"] / out["relay_best"]["step_s"]
+    out["bubbles"] = {r["schedule"]: r["bubble"] for r in relay if r["transport"] == "collective"}
+    b = out["bubbles"]
+    if b.get("zb_h1") is not None and b.get("1f1b"):
+        out["zb_h1_over_1f1b"] = b["zb_h1"] / b["1f1b"]
+    return out
+
+
+def _plan_bubble(schedule: Optional[str], pp: int, m: int, chunks: int = 1) -> Optional[float]:
+    """The schedule's ideal bubble as relaytrain models it (None for a schedule it does not have)."""
     from service import schedules
 
-    return schedules.simulate(schedules.build("1f1b", 2, m)).bubble
+    if schedule is None:
+        return None
+    for args in ((schedule, pp, m, chunks), (schedule, pp, m)) if chunks > 1 else ((schedule, pp, m),):
+        try:
+            return float(schedules.simulate(schedules.build(*args)).bubble)
+        except Exception:
+            continue
+    return None
 
 
 def _quartiles(xs: list[float]) -> tuple[float, float, float]:
@@ -347,81 +524,177 @@ def _quartiles(xs: list[float]) -> tuple[float, float, float]:
 
 def _relay_breakdown(extra: list[dict], median_step: float) -> dict:
     """Where a relaytrain step's time goes, medians over the timed steps, along the path that
-    sets the pace (the scheduler and the first stage of replica 0, which starts the pipeline):
-    the scheduler's own work between two steps (``between_steps_s``), the actor call reaching
-    the worker (``dispatch_s``), the deferred optimizer step (``optimizer_s``), building the
-    microbatches (``batch_s``), the workers' span from the first compute to the last return
-    (``worker_span_s``, the all-reduce included), and the results reaching the scheduler
-    (``return_s``)."""
+    sets the pace (the first stage of replica 0, which starts the pipeline, and the scheduler).
+
+    Per worker: its compute (``busy_s``), its waiting inside the schedule (``waiting_s``: from
+    its first compute to the end of its schedule, less the compute), and what it does after the
+    schedule (``worker_allreduce_s``: the all-reduce, the gradient norm).  Between two steps, on
+    the first worker: waiting for the next step's call after it ended the step before
+    (``call_wait_s``: the gather, the commit and the dispatch on the critical path; about 0 when
+    the scheduler queued the call early), applying the deferred optimizer step (``optimizer_s``)
+    and building the microbatches (``batch_s``).  ``worker_span_s`` is the workers' span from the
+    first compute to the last return; ``dispatch_gather_s`` the rest of the step: step time -
+    span - optimizer - batch (the scheduler's work and the calls, where they are not hidden).
+    ``between_steps_s`` (the scheduler's own work between a step's row and the next step's
+    dispatch) and ``return_s`` (the last worker's end to the row) are the scheduler's view."""
     med = lambda xs: statistics.median(list(xs))  # noqa: E731
-    w0 = next(iter(extra[0]["workers"]))
-    out = {"between_steps_s": med(e["dispatched"] - e["previous_end"] for e in extra)}
-    if extra[0]["workers"][w0].get("called") is not None:  # (an older engine in an A/B run has no such marks)
-        out.update(dispatch_s=med(e["workers"][w0]["called"] - e["dispatched"] for e in extra),
-                   optimizer_s=med(e["workers"][w0]["settled"] - e["workers"][w0]["called"] for e in extra),
-                   batch_s=med(e["workers"][w0]["start"] - e["workers"][w0]["settled"] for e in extra))
-    out.update({
+    ws = list(extra[0]["workers"])
+    w0 = ws[0]
+    out = {"between_steps_s": med(e["dispatched"] - e["previous_end"] for e in extra),
            "worker_span_s": med(e["work_span_s"] for e in extra),
            "return_s": med(e["dispatched"] + e["scheduler_wall_s"] - max(w["end"] for w in e["workers"].values())
                            for e in extra),
            "allreduce_s": med(e["allreduce_s"] for e in extra),
-           "busy_s": {w: med(e["workers"][w]["busy"] for e in extra) for w in extra[0]["workers"]}})
+           "busy_s": {w: med(e["workers"][w]["busy"] for e in extra) for w in ws},
+           "waiting_s": {w: med(e["workers"][w]["pipe_end"] - e["workers"][w]["start"] - e["workers"][w]["busy"]
+                                for e in extra) for w in ws},
+           "worker_allreduce_s": {w: med(e["workers"][w]["allreduce_s"] or 0.0 for e in extra) for w in ws}}
+    if extra[0]["workers"][w0].get("called") is not None:  # (an older engine in an A/B run has no such marks)
+        def begun(e):  # the first worker takes up the step: its call came and the step before ended there
+            return max(e["workers"][w0]["called"], e["previous_workers"][w0]["end"])
+        out.update(call_wait_s=med(max(0.0, e["workers"][w0]["called"] - e["previous_workers"][w0]["end"])
+                                   for e in extra),
+                   optimizer_s=med(e["workers"][w0]["settled"] - begun(e) for e in extra),
+                   batch_s=med(e["workers"][w0]["start"] - e["workers"][w0]["settled"] for e in extra))
     out["outside_workers_s"] = median_step - out["worker_span_s"]
+    out["dispatch_gather_s"] = out["outside_workers_s"] - out.get("optimizer_s", 0.0) - out.get("batch_s", 0.0)
     return out
 
 
 # ---------------------------------------------------------------- output
 
+def _ms(x: Optional[float]) -> str:
+    return "" if x is None else f"{x * 1e3:.0f}"
+
+
+def _pct(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:.1%}"
+
+
 def table(results: list[dict]) -> str:
-    lines = ["| contestant | M | step time median (ms) | IQR (ms) | samples/s | vs best peer | measured bubble "
-             "| plan bubble (p-1)/(M+p-1) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| contestant | mbs | M | step time median (ms) | IQR (ms) | samples/s | vs best peer | pipeline "
+             "efficiency | measured bubble | plan bubble |", "|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             vs = f"{r['vs_best_peer']:.2f}" if "vs_best_peer" in r else ""
-            bub = "" if r["bubble"] is None else f"{r['bubble']:.1%}"
-            plan = "" if r["bubble_plan"] is None else f"{r['bubble_plan']:.1%}"
-            lines.append(f"| {r['contestant']} | {r['M']} | {r['step_s'] * 1e3:.0f} | {r['iqr_s'] * 1e3:.0f} | "
-                         f"{r['samples_per_s']:.0f} | {vs} | {bub} | {plan} |")
+            eff = f"{r['efficiency']:.2f}" if "efficiency" in r else ""
+            lines.append(f"| {r['contestant']} | {r['mbs']} | {r['M']} | {_ms(r['step_s'])} | {_ms(r['iqr_s'])} | "
+                         f"{r['samples_per_s']:.0f} | {vs} | {eff} | {_pct(r['bubble'])} | {_pct(r['bubble_plan'])} |")
+    return "\n".join(lines)
+
+
+def _goal(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def summary_tables(results: list[dict], schedules: list[str]) -> str:
+    """relaytrain's best against torch's best per (mbs, M), its bubbles and efficiency, and
+    where its best schedule's step goes."""
+    if not any("relay_best" in res["summary"] or "torch_best" in res["summary"] for res in results):
+        return ""  # (no pipelines in this run)
+    p = results[0]["pp"]
+    heads = " | ".join(f"bubble {RELAY_LABELS[s]}" for s in schedules)
+    lines = [f"relaytrain's best schedule against torch.distributed.pipelining's best (torch's median / relaytrain's; "
+             f"goal >= 1.1 everywhere), pipeline efficiency = (one process's step / {p}) / relaytrain's best step "
+             f"(goal >= 0.8 at M = 8), relaytrain's measured bubble per schedule (goal: ZB-H1's <= half of 1F1B's "
+             f"at M = 8):", "",
+             f"| mbs | M | relaytrain best | ms | torch best | ms | ratio | pipeline efficiency | {heads} | "
+             "ZB-H1 / 1F1B bubble |", "|---|---|---|---|---|---|---|---|" + "---|" * len(schedules) + "---|"]
+    for res in results:
+        s = res["summary"]
+        rb, tb = s.get("relay_best"), s.get("torch_best")
+        ratio = f"{s['ratio']:.2f} ({_goal(s['ratio'] >= 1.1)})" if "ratio" in s else ""
+        eff = ""
+        if "efficiency" in s:
+            eff = f"{s['efficiency']:.2f}" + (f" ({_goal(s['efficiency'] >= 0.8)})" if res["M"] == 8 else "")
+        zb = ""
+        if "zb_h1_over_1f1b" in s:
+            zb = f"{s['zb_h1_over_1f1b']:.2f}" + (f" ({_goal(s['zb_h1_over_1f1b'] <= 0.5)})" if res["M"] == 8 else "")
+        bub = " | ".join(_pct(s["bubbles"].get(x)) for x in schedules)
+        lines.append(f"| {res['mbs']} | {res['M']} | {rb['contestant'].removeprefix('relaytrain ') if rb else ''} | "
+                     f"{_ms(rb['step_s']) if rb else ''} | "
+                     f"{tb['contestant'].removeprefix('torch.pipelining ') if tb else ''} | "
+                     f"{_ms(tb['step_s']) if tb else ''} | {ratio} | {eff} | {bub} | {zb} |")
+    lines += ["", "Where the step of relaytrain's best schedule goes (medians, ms; per worker w<replica>.<stage>: its "
+              "compute, and its waiting inside the schedule from its first compute to the end of its schedule; "
+              "after the schedule: the all-reduce and gradient norm, the slowest worker's; on the first worker "
+              "between steps: the deferred optimizer step and building the batch; 'dispatch + gather': the rest "
+              "of the step, step - workers' span - optimizer - batch, i.e. the scheduler's work and the calls where "
+              "they are not hidden behind the workers' compute (below 0: the next step began on the first worker "
+              "before the last worker ended this one); 'call wait': the first worker idle between its end "
+              "of one step and the next step's call):", "",
+              "| mbs | M | schedule | step | compute per worker | waiting per worker | after the schedule | "
+              "deferred optimizer step | building the batch | dispatch + gather | call wait |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for res in results:
+        s = res["summary"]
+        w, rb = s.get("where"), s.get("relay_best")
+        if not w or not rb:
+            continue
+        per = lambda d: ", ".join(f"{k} {v * 1e3:.0f}" for k, v in d.items())  # noqa: E731
+        lines.append(f"| {res['mbs']} | {res['M']} | {rb['contestant'].removeprefix('relaytrain ')} | "
+                     f"{_ms(rb['step_s'])} | {per(w['busy_s'])} | {per(w['waiting_s'])} | {_ms(w['allreduce_s'])} | "
+                     f"{_ms(w.get('optimizer_s'))} | {_ms(w.get('batch_s'))} | {_ms(w['dispatch_gather_s'])} | "
+                     f"{_ms(w.get('call_wait_s'))} |")
+    left = [(res["mbs"], res["M"], x["contestant"]) for res in results for x in res.get("left_out", [])]
+    if left:
+        names = sorted({n for _, _, n in left})
+        lines += ["", "Left out (could not run on this engine; see the JSON's left_out for why): " + "; ".join(names)]
     return "\n".join(lines)
 
 
 def plot(results: list[dict], path: Path) -> None:
-    """Step time against M (top) and speed relative to the best peer (bottom), per contestant."""
+    """Per microbatch size: step time against M (top) and relaytrain's best against torch's best
+    and its pipeline efficiency (bottom)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    names = [r["contestant"] for r in results[0]["rows"]]
-    ms = [res["M"] for res in results]
-    fig, axes = plt.subplots(2, 2, figsize=(13, 9), gridspec_kw={"height_ratios": [3, 2]})
-    for col, (groups, title) in enumerate(((("base", "pipeline"), "pipeline parallel, p = 2"),
-                                           (("base", "dp"), "data parallel, 2 workers"))):
+    sizes = sorted({res["mbs"] for res in results})
+    names = list(dict.fromkeys(r["contestant"] for res in results for r in res["rows"]
+                               if r["group"] in ("base", "pipeline")))
+    fig, axes = plt.subplots(2, len(sizes), figsize=(max(8, 6 * len(sizes)), 9), squeeze=False,
+                             gridspec_kw={"height_ratios": [3, 2]})
+    for col, mbs in enumerate(sizes):
+        cells = [res for res in results if res["mbs"] == mbs]
+        ms = [res["M"] for res in cells]
         top, bottom = axes[0][col], axes[1][col]
         for k, name in enumerate(names):
-            pts = [(res["M"], r) for res in results for r in res["rows"] if r["contestant"] == name]
-            if not pts or pts[0][1]["group"] not in groups:
+            pts = [(res["M"], r) for res in cells for r in res["rows"] if r["contestant"] == name]
+            if not pts:
                 continue
-            xs = [m for m, _ in pts]
-            style = dict(linestyle="--" if pts[0][1]["peer"] else ("-" if "relaytrain" in name else ":"),
-                         marker="o", color=f"C{k}", label=name)
-            top.errorbar(xs, [r["step_s"] * 1e3 for _, r in pts], capsize=3, **style,
+            sys_ = pts[0][1]["system"]
+            style = dict(linestyle={"torch": "--", "relaytrain": "-"}.get(sys_, ":"),
+                         marker="o" if sys_ == "relaytrain" else "s", color=f"C{k % 10}", label=name)
+            top.errorbar([m for m, _ in pts], [r["step_s"] * 1e3 for _, r in pts], capsize=3, **style,
                          yerr=[[(r["step_s"] - r["q1_s"]) * 1e3 for _, r in pts],
                                [(r["q3_s"] - r["step_s"]) * 1e3 for _, r in pts]])
-            if "vs_best_peer" in pts[0][1]:
-                bottom.plot(xs, [r["vs_best_peer"] for _, r in pts], **style)
+        xs = [res["M"] for res in cells if "ratio" in res["summary"]]
+        bottom.plot(xs, [res["summary"]["ratio"] for res in cells if "ratio" in res["summary"]], "o-", color="C0",
+                    label="relaytrain best vs torch best (torch / relaytrain)")
+        xs = [res["M"] for res in cells if "efficiency" in res["summary"]]
+        bottom.plot(xs, [res["summary"]["efficiency"] for res in cells if "efficiency" in res["summary"]], "s-",
+                    color="C1", label="relaytrain pipeline efficiency (single / p / step)")
+        bottom.axhline(1.1, color="C0", linewidth=0.8, linestyle=":")
+        bottom.axhline(0.8, color="C1", linewidth=0.8, linestyle=":")
+        bottom.axhline(1.0, color="k", linewidth=0.6)
         for ax in (top, bottom):
+            ax.set_xlim(min(ms) / 1.3, max(ms) * 1.3)  # (also when a panel has nothing: --which dp)
             ax.set_xscale("log", base=2)
             ax.set_xticks(ms, [str(m) for m in ms])
             ax.grid(True, alpha=0.3)
         top.set_ylabel("step time (ms), median; bars: interquartile range")
-        top.set_title(title)
-        top.legend(fontsize=8)
-        bottom.axhline(1.0, color="k", linewidth=0.8)
-        bottom.set_xlabel("microbatches per step M (microbatch 64, global batch 64 M)")
-        bottom.set_ylabel("speed vs the best peer (>1: faster)")
-    fig.suptitle(f"{peers_spec.DESCRIPTION}\n2 cores, one thread per worker", fontsize=9)
-    fig.tight_layout()
+        top.set_title(f"microbatch {mbs} rows, p = {results[0]['pp']}")
+        top.legend(fontsize=7)
+        bottom.set_xlabel(f"microbatches per step M (global batch {mbs} M)")
+        bottom.set_ylabel("ratio (dotted: goals 1.1 and 0.8)")
+        bottom.legend(fontsize=7)
+    import textwrap
+
+    fig.suptitle(textwrap.fill(f"{peers_spec.DESCRIPTION}; 2 cores, one thread per worker",
+                               int(15 * max(8, 6 * len(sizes)))), fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
@@ -430,10 +703,20 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="M = 8 only, 4 rounds (under 5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="mbs = 32, M = 8 only (the issue's held-out size), 3 rounds")
     ap.add_argument("--ms", type=int, nargs="+", default=None, help="microbatch counts (default 4 8 16)")
-    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per M (default 6; --quick 4)")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps per contestant per round (default 5)")
+    ap.add_argument("--mbs", type=int, nargs="+", default=None, help="microbatch rows (default 16 32 64)")
+    ap.add_argument("--pp", type=int, default=2, help="pipeline workers (default 2; 4 on 2 cores time-shares, see "
+                    "the docstring)")
+    ap.add_argument("--schedules", nargs="+", default=RELAY_DEFAULT, choices=list(RELAY_LABELS),
+                    help=f"relaytrain's schedules (default {' '.join(RELAY_DEFAULT)})")
+    ap.add_argument("--torch-schedules", nargs="+", default=TORCH_DEFAULT, choices=list(TORCH_LABELS),
+                    help=f"torch.distributed.pipelining's (default {' '.join(TORCH_DEFAULT)}; zb_h1 is "
+                    "ScheduleInterleavedZeroBubble with one stage per process, interleaved_zb with two)")
+    ap.add_argument("--transports", nargs="+", default=["collective"], choices=["collective", "object_store"],
+                    help="relaytrain's transports for its pipelines (default collective)")
+    ap.add_argument("--rounds", type=int, default=None, help="interleaved rounds per (mbs, M) (default 4; --quick 3)")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per contestant per round (default 4)")
     ap.add_argument("--check", type=int, default=3, help="steps whose losses are compared before timing")
     ap.add_argument("--which", nargs="+", default=["pipeline", "dp"], choices=["pipeline", "dp"])
     ap.add_argument("--only", nargs="+", help="only the contestants whose name holds one of these words "
@@ -449,14 +732,21 @@ def main() -> None:
     args.out = os.path.abspath(args.out or RESULTS / ("peers_quick" if args.quick else "peers"))
     args.ab_engine = [os.path.abspath(d) for d in args.ab_engine or []]
     ms = args.ms or ([8] if args.quick else [4, 8, 16])
-    args.rounds = args.rounds or (4 if args.quick else 6)
+    sizes = args.mbs or ([32] if args.quick else list(peers_spec.MBS_ALL))
+    args.rounds = args.rounds or (3 if args.quick else 4)
+    if args.pp < 2 or peers_spec.LAYERS < args.pp * 2:
+        raise SystemExit(f"peers: --pp {args.pp}: give 2 .. {peers_spec.LAYERS // 2}")
+    if "dp" in args.which and peers_spec.MBS not in sizes:
+        log(f"the data-parallel pair (Ray Train, relaytrain dp=2) runs at microbatch {peers_spec.MBS} only: "
+            "not in this run")
     import ray
     import torch
 
     from actors.scheduler import JobScheduler  # noqa: F401  (the engine imports before Ray starts)
 
     load_start = load()
-    log(f"load average at start {load_start} (2 cores); M in {ms}, {args.rounds} rounds x {args.steps} timed steps")
+    log(f"load average at start {load_start} (2 cores); mbs in {sizes}, M in {ms}, p = {args.pp}; "
+        f"{args.rounds} rounds x {args.steps} timed steps")
     t_start = time.time()
     if args.ab_engine:
         # Ray puts the driver's working directory first on its workers' sys.path: from the
@@ -475,7 +765,7 @@ def main() -> None:
     results = []
     try:
         wanted = not args.only or any(o in RayTrainContestant.NAME for o in args.only)
-        if "dp" in args.which and not args.no_raytrain and wanted:
+        if "dp" in args.which and not args.no_raytrain and wanted and peers_spec.MBS in sizes:
             try:
                 import ray.train  # noqa: F401
             except ImportError as e:
@@ -484,8 +774,9 @@ def main() -> None:
                                  "--no-raytrain leaves it out") from None
             raytrain = peers_raytrain.RayTrainDDP(2)
             raytrain.start()
-        for m in ms:
-            results.append(run_m(m, args, raytrain))
+        for mbs in sizes:
+            for m in ms:
+                results.append(run_cell(m, mbs, args, raytrain))
     finally:
         if raytrain is not None:
             raytrain.stop()
@@ -493,10 +784,10 @@ def main() -> None:
     load_end = load()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    text = table(results)
-    header = (f"{peers_spec.DESCRIPTION}; {args.rounds} interleaved rounds x {args.steps} timed steps per contestant "
-              f"and M; one thread per worker; 2 cores; load average {load_start} at start, {load_end} at end; "
-              f"{time.strftime('%Y-%m-%d')}")
+    text = "\n\n".join(t for t in (table(results), summary_tables(results, args.schedules)) if t)
+    header = (f"{peers_spec.DESCRIPTION}; p = {args.pp}; {args.rounds} interleaved rounds x {args.steps} timed steps "
+              f"per contestant and (mbs, M); one thread per worker; 2 cores; load average {load_start} at start, "
+              f"{load_end} at end; {time.time() - t_start:.0f} s; {time.strftime('%Y-%m-%d')}")
     print("\n" + header + "\n\n" + text)
     out.with_suffix(".txt").write_text(header + "\n\n" + text + "\n")
     out.with_suffix(".json").write_text(json.dumps({
@@ -504,14 +795,18 @@ def main() -> None:
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
                     "ray": ray.__version__},
         "load_average": {"start": load_start, "end": load_end},
-        "config": {"model": peers_spec.DESCRIPTION, "ms": ms, "rounds": args.rounds,
-                   "timed_steps_per_round": args.steps,
+        "config": {"model": peers_spec.DESCRIPTION, "ms": ms, "mbs": sizes, "pp": args.pp,
+                   "chunks": {v: peers_spec.chunk_sizes(args.pp * v) for v in (1, 2)},
+                   "schedules": args.schedules, "torch_schedules": args.torch_schedules,
+                   "transports": args.transports, "rounds": args.rounds, "timed_steps_per_round": args.steps,
                    "check_steps": args.check, "rtol": RTOL, "atol": ATOL},
         "results": results}, indent=1))
     try:
         plot(results, out.with_suffix(".png"))
     except ImportError as e:
         log(f"no plot ({e}); `make bench-peers` installs matplotlib")
+    except Exception as e:  # the table and the JSON are written: a plot's trouble does not lose them
+        log(f"no plot: {type(e).__name__}: {e}")
     log(f"wrote {out.with_suffix('.json')}, .txt and .png in {time.time() - t_start:.0f} s")
 
 

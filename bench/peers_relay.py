@@ -8,6 +8,12 @@ difference between two rows of one round is the whole cycle of a step as the sch
 drives it: dispatch to both workers, their work (including the deferred optimizer step of
 the previous step), the gather and the row.  The first step of each round (after the wait)
 is the round's warm-up and is not timed.
+
+The controller may queue a fixed-shape job's next step on the workers before the current
+step's results are gathered (its prequeue); it asks ``controller.may_queue(step)`` first.
+``GatedScheduler`` answers it from the gate (``step < allowed``), so a step beyond what the
+bench allowed is never queued early and never runs during another contestant's round (an
+engine without the prequeue ignores the attribute).
 """
 from __future__ import annotations
 
@@ -32,6 +38,13 @@ class GatedScheduler(JobScheduler):
         self._gate = threading.Condition()
         self._engine_commit = self.controller._commit
         self.controller._commit = self._gated_commit
+        self.controller.may_queue = self._may_queue
+
+    def _may_queue(self, step: int) -> bool:
+        """May the controller queue step ``step`` (0-based) before the one running is gathered?
+        Only if the bench already allowed it: steps [0, allowed) may run."""
+        with self._gate:
+            return step < self._allowed
 
     def engine(self) -> str:
         """Where this process imported the engine from (checks an A/B run uses what it says)."""
@@ -56,6 +69,13 @@ class GatedScheduler(JobScheduler):
                 self._gate.wait(0.5)
             return {"rows": list(self._rows[:steps]), "state": self.record.state.value, "error": self.record.error}
 
+    def shape(self) -> dict:
+        """The shape the job runs in: layers per virtual stage (model chunk), chunks per worker
+        and their placement (an engine without chunks: one per worker, "loop")."""
+        s = self.group.shape
+        return {"dp": s.dp, "pp": s.pp, "sizes": list(s.sizes), "chunks": getattr(s, "chunks", 1),
+                "placement": getattr(s, "placement", "loop")}
+
     def params(self) -> dict:
         """The whole model's parameters at the step the job is held at."""
         with self._gate:
@@ -66,14 +86,14 @@ class GatedScheduler(JobScheduler):
             out.update(state["model"])
         return out
 
-    def _gated_commit(self, step: int, stats: dict, wall: float) -> None:
+    def _gated_commit(self, step: int, stats: dict, wall: float, *more, **kw) -> None:
         span = max(s["end"] for s in stats.values()) - min(s["start"] for s in stats.values())
         extra = {"work_span_s": span,
                  "dispatched": time.time() - wall,  # ~ when the scheduler sent the step's calls
                  "workers": {f"w{r}.{s}": {k: st.get(k) for k in ("called", "settled", "busy", "start", "pipe_end",
                                                                    "end", "allreduce_s")}
                              for (r, s), st in sorted(stats.items())}}
-        self._engine_commit(step, stats, wall)
+        self._engine_commit(step, stats, wall, *more, **kw)  # (more: e.g. the evaluation's loss)
         row = self.record.metrics[-1]
         with self._gate:
             self._rows.append({**row, **extra})
@@ -121,6 +141,9 @@ class Relaytrain:
 
     def params(self) -> dict:
         return ray.get(self.sched.params.remote())
+
+    def shape(self) -> dict:
+        return ray.get(self.sched.shape.remote())
 
     def stop(self, finish: bool = True) -> Optional[dict]:
         """Let the job run its last steps and end (or cancel it), then remove its actors."""
