@@ -1,0 +1,82 @@
+"""What splitting a backward into B (input gradient) and W (weight gradient) costs on a CPU.
+
+Zero-bubble schedules (zb_h1, zbv) run each chunk's backward in two calls: torch's
+``stage_backward_input`` (the input's gradient, keeping what W needs) and later
+``stage_backward_weight``.  This times, on one thread, a stage of 4 Linear(1024, 1024) + ReLU
+blocks (bench/peers.py's model, half of it) at microbatches of 16, 32 and 64 rows: forward, the
+whole backward, and B and W; and the pure matrix products of W (grad_out^T @ input per layer) for
+comparison.  The difference between B + W and the whole backward is what a split schedule must
+win back from the bubble.
+
+    .venv/bin/python bench/split_backward.py
+"""
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from actors.stage import stage_backward_input, stage_backward_weight  # noqa: E402
+
+
+PURE = "W's matrix products"
+
+
+def measure(mbs: int, runs: int = 60) -> dict:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+    params = list(model.parameters())
+    got = {"forward": [], "whole backward": [], "B": [], "W": []}
+    for i in range(runs):
+        for split in (False, True):
+            x = torch.randn(mbs, 1024, requires_grad=True)
+            g = torch.randn(mbs, 1024)
+            t0 = time.perf_counter()
+            out = model(x)
+            t1 = time.perf_counter()
+            if split:
+                _, groups = stage_backward_input([out], [g], [x], iter(params))
+                t2 = time.perf_counter()
+                stage_backward_weight(iter(params), groups)
+                t3 = time.perf_counter()
+                if i >= 10:
+                    got["B"].append(t2 - t1)
+                    got["W"].append(t3 - t2)
+            else:
+                torch.autograd.backward(out, g)
+                t2 = time.perf_counter()
+                if i >= 10:
+                    got["forward"].append(t1 - t0)
+                    got["whole backward"].append(t2 - t1)
+            for p in params:
+                p.grad = None
+    a, go = torch.randn(mbs, 1024), torch.randn(mbs, 1024)
+    t0 = time.perf_counter()
+    for _ in range(runs):
+        for _ in range(4):
+            go.t() @ a
+            go.sum(0)
+    out = {k: statistics.median(v) * 1e3 for k, v in got.items()}
+    out[PURE] = (time.perf_counter() - t0) / runs * 1e3
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    print("| rows | forward (ms) | whole backward | B | W | B + W | B + W over whole | W's matrix products |")
+    print("|---|---|---|---|---|---|---|---|")
+    for mbs in (16, 32, 64):
+        m = measure(mbs)
+        bw = m["B"] + m["W"]
+        print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | {bw:.2f} | "
+              f"{bw / m['whole backward'] - 1:+.0%} | {m[PURE]:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
