@@ -306,11 +306,13 @@ class JobManager:
     def _restart(self, job: dict, resume: Optional[str]) -> None:
         """Start ``job`` again from the checkpoint ``resume`` (its steps so far marked as re-runs),
         once its old scheduler and workers are gone (lost, or preempted) and their slots free."""
-        try:
+        try:  # still "starting" until _launch has its new actor up: reconcile must not find it lost meanwhile
             launch.wait_actors_gone(job["id"], timeout=30.0)
-        finally:
+            self._launch(job, resume=resume, rerun_through=job["step"],
+                         allocation=self.cluster.allotted.get(job["id"]))
+        except BaseException:
             self._starting.discard(job["id"])
-        self._launch(job, resume=resume, rerun_through=job["step"], allocation=self.cluster.allotted.get(job["id"]))
+            raise
 
     def start_background(self) -> None:
         """Every ``queue_seconds`` the cluster scheduler decides; every ``reconcile_seconds``
