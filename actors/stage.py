@@ -349,6 +349,8 @@ class StepRunner:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
         if last:
             p.loss_sum += out.detach().double().cpu()
+        elif out._is_view():  # a split backward detaches its output in place, which a view refuses
+            out = out.clone()
         t1 = time.time()
         p.stash[(vs, a.mb)] = (inp, out)
         if not last:

@@ -115,3 +115,18 @@ def test_more_chunks_than_layers_is_refused_before_any_actor_starts(tmp_path):
     with pytest.raises(SpecError, match="use 1f1b or interleaved_1f1b with checkpointing"):
         preflight(spec, [])
     assert json.dumps(spec.model_dump(mode="json"))  # the spec itself is fine
+
+
+def test_a_chunk_whose_output_is_a_view_splits_its_backward(ray_session, tmp_path):
+    """A user's model with an nn.Unflatten entry, cut so a middle chunk ends with it (its output a
+    view of its input): ZB-V's split backward runs it, and the result equals one process."""
+    from tests.conftest import FIXTURES
+
+    spec = parse_spec({
+        "name": "zbv-view", "model": {"builder": "userpkg.models:entries", "args": {"dtype": "float64"}},
+        "data": {"kind": "digits"}, "loss": "cross_entropy", "optimizer": {"name": "sgd", "lr": 0.05},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 3, "seed": 2},
+        "parallelism": {"dp": 1, "pp": 2, "schedule": "zbv", "partition": [2, 7, 3, 4]}})
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, record=False)
+    want, _ = reference.train(spec, search=[FIXTURES])
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
