@@ -49,7 +49,7 @@ class CheckpointWriter:
             self._scan = self._finisher.submit(checkpoint.step_folders, self.root)
 
     def due(self, committed: int) -> bool:
-        return bool(self.root and self.every and (committed % self.every == 0 or committed == self.last))
+        return checkpoint_due(self.root, self.every, self.last, committed)
 
     def after_commit(self, committed: int) -> None:
         """Finish the checkpoint being written if it is; start step ``committed``'s if one is due
@@ -143,3 +143,8 @@ class CheckpointWriter:
         if self.failures >= self.max_failures:
             raise JobFailure(f"{self.failures} checkpoints in a row could not be written to {self.root} "
                              f"(checkpoint.max_failures is {self.max_failures}); the last: {reason}")
+
+
+def checkpoint_due(root, every: int, last: int, committed: int) -> bool:
+    """Is a checkpoint due after ``committed`` steps (every ``every`` steps and after the last)?"""
+    return bool(root and every and (committed % every == 0 or committed == last))

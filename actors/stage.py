@@ -158,9 +158,8 @@ class Cell:
         boundary = tuple(_meta(b) if i < V - 1 else None for i, b in enumerate(cfg["boundary"]))
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
                    list(plan.order[s]), boundary, V, where, name in schedules.SPLIT)
-        mb0 = r * m
         for a in cell.actions:
-            g = mb0 + a.mb
+            g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
                 cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.owner(a.stage - 1)))
             elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1):

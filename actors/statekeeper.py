@@ -20,7 +20,7 @@ from typing import Optional
 
 import ray
 
-from actors.checkpoints import CheckpointWriter
+from actors.checkpoints import CheckpointWriter, checkpoint_due
 from actors.failures import JobFailure
 from actors.state import layer_of, subset_state
 from actors.workergroup import WorkerGroup
@@ -213,9 +213,7 @@ class StateKeeper:
             return True
         if self.writer is not None:
             return self.writer.due(committed) or self.writer.owed is not None
-        c = spec.checkpoint
-        return bool(self.checkpoint_root and c.every_steps and
-                    (committed % c.every_steps == 0 or committed == spec.training.steps))
+        return checkpoint_due(self.checkpoint_root, spec.checkpoint.every_steps, spec.training.steps, committed)
 
     def finish_writing(self) -> None:
         """Let the checkpoint being written beside training finish (its event before the job's
