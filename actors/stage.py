@@ -58,8 +58,11 @@ def _split_backward():
 
 stage_backward_input, stage_backward_weight = _split_backward()
 
+from actors import deferred
+from actors.batchnorm import RunningStats, norms_of
 from actors.failures import StageAborted, talking_to_peers
 from service import schedules
+from service.loading import forward_seed
 
 
 class Transport(Protocol):
@@ -189,6 +192,8 @@ class Recipe:
     checkpointing: bool = False   # each layer's forward recomputed in its backward
     global_norm: bool = False     # sum the gradient norm over every worker (clipping, skipping)
     device: torch.device = torch.device("cpu")
+    seed: int = 0                 # training.seed: each layer's forward draws from forward_seed(...)
+    batch_norm: str = "deferred"  # training.batch_norm (actors/batchnorm.py)
 
 
 class StepRunner:
@@ -196,9 +201,10 @@ class StepRunner:
 
     def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
                  loss_fn: Optional[Callable], scale: float, ties=None, recipe: Recipe = Recipe(),
-                 norm_params: Optional[list] = None, parts: Optional[dict] = None):
+                 norm_params: Optional[list] = None, parts: Optional[dict] = None, stats_group=None):
         """``stage``: every layer the worker holds; ``parts``: virtual stage -> its chunk's layers
-        (default: the one chunk is the whole stage)."""
+        (default: the one chunk is the whole stage); ``stats_group``: the stage's replicas'
+        process group (dp > 1), where BatchNorm statistics are summed."""
         self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
         self.parts = parts or {cell.chunks[0]: stage}
         self.params = {vs: [q for q in part.parameters() if q.requires_grad] for vs, part in self.parts.items()}
@@ -211,6 +217,17 @@ class StepRunner:
         # the action after which this step's weight gradients are final (the gradient sum is armed before it)
         grads = [a for a in cell.actions if a.kind == ("W" if cell.split else "B")]
         self.final = grads[-1] if grads else None
+        # split schedules: the chunks whose Linear layers leave their weight gradients to W
+        # (actors/deferred.py); the others split with torch's stage_backward_input/weight
+        self.pending, self.deferred = deferred.Pending(), set()
+        for vs, part in self.parts.items():
+            deferred.uninstall(part)
+            if cell.split and not recipe.bf16 and deferred.install(part, self.pending):
+                self.deferred.add(vs)
+        self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
+                                  recipe.batch_norm, cell.m * cell.dp)
+        self.stats_group = stats_group
+        self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
         c, tr, reduce = self.cell, self.tr, self.reduce
@@ -220,8 +237,10 @@ class StepRunner:
             if reduce is not None:
                 reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
         p = _Progress()
+        self.norms.begin()
         for a in c.actions:
             g = c.mb0 + a.mb
+            self.norms.g = g
             if a.kind == "F":
                 t0, t1 = self._forward(a, step, g, xs, ys, p)
             elif a.kind == "B":
@@ -240,6 +259,9 @@ class StepRunner:
             with talking_to_peers(f"summing the gradients of tied parameters of step {step + 1} with other stages"):
                 self.ties.finish(step, tr)
         grad_sq, total = self._grad_norm(step)
+        if self.norms.modules:
+            with talking_to_peers(f"summing the BatchNorm statistics of step {step + 1} with the stage's replicas"):
+                self.norm_update = (self.norms, self.norms.reduce(self.stats_group if c.dp > 1 else None))
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
@@ -300,6 +322,14 @@ class StepRunner:
             raise StageAborted(f"the evaluation after step {step} was discarded")
         return {"loss_sum": float(loss_sum) if c.last else None, "timeline": timeline}
 
+    def take_norm_update(self):
+        """The last step's BatchNorm buffer update (a callable), or None; applied at the commit."""
+        got, self.norm_update = self.norm_update, None
+        if got is None:
+            return None
+        stats, updates = got
+        return lambda: stats.apply(updates)
+
     def _grad_norm(self, step: int) -> tuple[float, Optional[float]]:
         """This worker's share of the squared gradient norm, and with ``global_norm`` the whole
         model's norm (summed over every worker of the shape: every worker gets the same)."""
@@ -318,14 +348,18 @@ class StepRunner:
         """Forward and loss under bf16 autocast with training.precision bf16 (a no-op otherwise)."""
         return torch.autocast(self.recipe.device.type, dtype=torch.bfloat16, enabled=self.recipe.bf16)
 
-    def _compute(self, vs: int, inp: torch.Tensor) -> torch.Tensor:
-        """A chunk's layers on one microbatch, each recomputed in backward with checkpointing."""
-        part = self.parts[vs]
-        if not self.recipe.checkpointing:
-            return part(inp)
-        h = inp
-        for layer in part:
-            h = checkpoint(layer, h, use_reentrant=False)
+    def _compute(self, vs: int, inp: torch.Tensor, step: int, g: int) -> torch.Tensor:
+        """A chunk's layers on microbatch g, each after seeding torch's generator with
+        ``forward_seed(seed, step + 1, g, layer)`` (a recomputation in backward, with
+        checkpointing, restores that state and draws the same masks)."""
+        h, lo = inp, self.parts_range(vs)[0]
+        cuda = self.recipe.device.type == "cuda"
+        for i, layer in enumerate(self.parts[vs]):
+            s = forward_seed(self.recipe.seed, step + 1, g, lo + i)
+            torch.random.default_generator.manual_seed(s)
+            if cuda:
+                torch.cuda.manual_seed(s)
+            h = checkpoint(layer, h, use_reentrant=False) if self.recipe.checkpointing else layer(h)
         return h
 
     def _forward(self, a, step: int, g: int, xs, ys, p: _Progress) -> tuple[float, float]:
@@ -343,7 +377,7 @@ class StepRunner:
                 inp.requires_grad_()
         t0 = time.time()
         with self._autocast():
-            out = self._compute(vs, inp)
+            out = self._compute(vs, inp, step, g)
             if last:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
         if last:
@@ -399,7 +433,13 @@ class StepRunner:
         needs_input = vs > 0 and inp.requires_grad
         if c.split:
             # the first chunk's input needs no gradient: its whole backward is its W (as torch's schedules do)
-            if needs_input and out.requires_grad and self.params[vs]:
+            if needs_input and out.requires_grad and vs in self.deferred:
+                self.pending.into = []
+                try:
+                    torch.autograd.backward(out, grad)
+                finally:
+                    p.weights[(vs, a.mb)], self.pending.into = ("deferred", self.pending.into), None
+            elif needs_input and out.requires_grad and self.params[vs]:
                 _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(self.params[vs]))
                 p.weights[(vs, a.mb)] = ("groups", groups)
             elif needs_input and out.requires_grad:  # no weights: the input gradient is the whole backward
@@ -438,7 +478,9 @@ class StepRunner:
             with talking_to_peers("arming the gradient sum"):
                 self.reduce.arm()
         t0 = time.time()
-        if how == "groups":
+        if how == "deferred":
+            deferred.weight_grads(what)
+        elif how == "groups":
             stage_backward_weight(iter(self.params[a.stage]), what)
         elif how == "whole" and what[0].requires_grad:
             torch.autograd.backward(what[0], what[1])

@@ -2,10 +2,12 @@
 
 Zero-bubble schedules (zb_h1, zbv) run each chunk's backward in two calls: torch's
 ``stage_backward_input`` (the input's gradient, keeping what W needs) and later
-``stage_backward_weight``.  This times, on one thread, a stage of 4 Linear(1024, 1024) + ReLU
+``stage_backward_weight``; relaytrain splits chunks that hold plain ``nn.Linear`` layers its own
+way (actors/deferred.py: B is the whole backward with each Linear's weight product left out,
+W does those products).  This times, on one thread, a stage of 4 Linear(1024, 1024) + ReLU
 blocks (bench/peers.py's model, half of it) at microbatches of 16, 32 and 64 rows: forward, the
 whole backward, and B and W; and the pure matrix products of W (grad_out^T @ input per layer) for
-comparison.  The difference between B + W and the whole backward is what a split schedule must
+comparison, and relaytrain's deferred-Linear B and W.  The difference between B + W and the whole backward is what a split schedule must
 win back from the bubble.
 
     .venv/bin/python bench/split_backward.py
@@ -22,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
+from actors import deferred  # noqa: E402
 from actors.stage import stage_backward_input, stage_backward_weight  # noqa: E402
 
 
@@ -32,15 +35,26 @@ def measure(mbs: int, runs: int = 60) -> dict:
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
     params = list(model.parameters())
-    got = {"forward": [], "whole backward": [], "B": [], "W": []}
+    got = {"forward": [], "whole backward": [], "B": [], "W": [], "deferred B": [], "deferred W": []}
+    pending = deferred.Pending()
     for i in range(runs):
-        for split in (False, True):
+        for split in (False, True, "deferred"):
             x = torch.randn(mbs, 1024, requires_grad=True)
             g = torch.randn(mbs, 1024)
             t0 = time.perf_counter()
             out = model(x)
             t1 = time.perf_counter()
-            if split:
+            if split == "deferred":
+                pending.into = []
+                torch.autograd.backward(out, g)
+                t2 = time.perf_counter()
+                deferred.weight_grads(pending.into)
+                t3 = time.perf_counter()
+                pending.into = None
+                if i >= 10:
+                    got["deferred B"].append(t2 - t1)
+                    got["deferred W"].append(t3 - t2)
+            elif split:
                 _, groups = stage_backward_input([out], [g], [x], iter(params))
                 t2 = time.perf_counter()
                 stage_backward_weight(iter(params), groups)
@@ -56,6 +70,10 @@ def measure(mbs: int, runs: int = 60) -> dict:
                     got["whole backward"].append(t2 - t1)
             for p in params:
                 p.grad = None
+            if split is True:
+                deferred.install(model, pending)
+            elif split == "deferred":
+                deferred.uninstall(model)
     a, go = torch.randn(mbs, 1024), torch.randn(mbs, 1024)
     t0 = time.perf_counter()
     for _ in range(runs):
@@ -69,13 +87,16 @@ def measure(mbs: int, runs: int = 60) -> dict:
 
 def main() -> None:
     torch.set_num_threads(1)
-    print("| rows | forward (ms) | whole backward | B | W | B + W | B + W over whole | W's matrix products |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| rows | forward (ms) | whole backward | torch B | torch W | B + W over whole | W's matrix products "
+          "| deferred B | deferred W | B + W over whole |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for mbs in (16, 32, 64):
         m = measure(mbs)
         bw = m["B"] + m["W"]
-        print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | {bw:.2f} | "
-              f"{bw / m['whole backward'] - 1:+.0%} | {m[PURE]:.2f} |")
+        dw = m["deferred B"] + m["deferred W"]
+        print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | "
+              f"{bw / m['whole backward'] - 1:+.0%} | {m[PURE]:.2f} | {m['deferred B']:.2f} | {m['deferred W']:.2f} | "
+              f"{dw / m['whole backward'] - 1:+.0%} |")
 
 
 if __name__ == "__main__":

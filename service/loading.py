@@ -74,6 +74,14 @@ def layer_seed(seed: int, i: int) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}:{i}".encode()).digest()[:8], "little") >> 1
 
 
+def forward_seed(seed: int, step: int, microbatch: int, layer: int) -> int:
+    """The seed torch's generator holds when layer ``layer`` of the model runs its training
+    forward on microbatch ``microbatch`` (0-based, in the step's global order) of step ``step``
+    (1-based): dropout masks and every other random draw inside a layer depend on these four
+    numbers alone, not on the worker or the shape (README, "Semantics you can rely on")."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{step}:{microbatch}:{layer}".encode()).digest()[:8], "little") >> 1
+
+
 @dataclass
 class ModelRecipe:
     """How the spec's model is built, one layer at a time where the builder allows it.

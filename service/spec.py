@@ -120,6 +120,11 @@ class TrainingSpec(_Strict):
     skip_nonfinite: bool = Field(
         False, description="skip (on every worker) a step whose gradient norm is inf or NaN, and go on; without it "
                            "such a step fails the job")
+    batch_norm: Literal["microbatch", "deferred"] = Field(
+        "deferred", description="BatchNorm layers normalise each microbatch with its own statistics; their running "
+                                "statistics move once per step with the whole global batch's ('deferred'), or once "
+                                "per microbatch in the step's global microbatch order ('microbatch'); identical on "
+                                "every replica either way")
 
     @model_validator(mode="after")
     def _divides(self):

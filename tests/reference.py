@@ -17,6 +17,10 @@ optimizer state fp32); ``activation_checkpointing`` wraps each entry of the Sequ
 losses over the first ``batches x B`` eval samples in order, after every ``every_steps`` steps
 and after step ``training.steps``, with no grad, in ``model.eval()`` mode and under the same
 autocast as training.  A spec without these fields trains bit-identically to the loop before them.
+
+Randomness (issue 22): with ``microbatched``, entry i of the model runs its forward on microbatch j
+of step s after ``torch.manual_seed(forward_seed(seed, s, j, i))``, so dropout draws the masks
+the pipeline draws.
 """
 from __future__ import annotations
 
@@ -31,7 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service import builtins
-from service.loading import Samples, build_data, build_loss, build_optimizer, import_object
+from service.loading import Samples, build_data, build_loss, build_optimizer, forward_seed, import_object
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 
@@ -99,11 +103,15 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
         opt.zero_grad()
         if microbatched:
             m, loss = t.microbatch_size, torch.zeros(())
+            deferred_norms = _DeferredNorms(model) if t.batch_norm == "deferred" else None
             for j in range(0, b, m):
                 with amp():
-                    part = loss_fn(forward(model, x[j:j + m], t.activation_checkpointing), y[j:j + m]) * (m / b)
+                    part = loss_fn(forward(model, x[j:j + m], t.activation_checkpointing, (t.seed, step, j // m)),
+                                   y[j:j + m]) * (m / b)
                 part.backward()
                 loss = loss + part.detach()
+            if deferred_norms is not None:
+                deferred_norms.finish()
         else:
             with amp():
                 loss = loss_fn(forward(model, x, t.activation_checkpointing), y)
@@ -130,12 +138,41 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
     return out
 
 
-def forward(model: nn.Sequential, x: torch.Tensor, checkpointing: bool = False) -> torch.Tensor:
-    """The model's output; with ``checkpointing`` each top-level entry is recomputed in backward."""
-    if not checkpointing:
+class _DeferredNorms:
+    """``training.batch_norm: deferred`` in one process: the microbatches' forwards leave the
+    BatchNorm buffers as they were; after the last, each BatchNorm runs once, in training mode
+    and without gradients, on its inputs of the whole global batch (concatenated in microbatch
+    order): one process's update after one forward of the whole batch."""
+
+    def __init__(self, model: nn.Module):
+        self.norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                      and m.track_running_stats]
+        self.saved = [{k: v.clone() for k, v in m.named_buffers()} for m in self.norms]
+        self.inputs: list[list] = [[] for _ in self.norms]
+        self.hooks = [m.register_forward_pre_hook(lambda mod, args, i=i: self.inputs[i].append(args[0].detach()))
+                      for i, m in enumerate(self.norms)]
+
+    def finish(self) -> None:
+        for h in self.hooks:
+            h.remove()
+        with torch.no_grad():
+            for m, saved, xs in zip(self.norms, self.saved, self.inputs):
+                for k, v in m.named_buffers():
+                    v.copy_(saved[k])
+                if xs:
+                    m(torch.cat(xs))
+
+
+def forward(model: nn.Sequential, x: torch.Tensor, checkpointing: bool = False, seeds=None) -> torch.Tensor:
+    """The model's output; with ``checkpointing`` each top-level entry is recomputed in backward.
+    ``seeds`` = (training.seed, step, microbatch): entry i runs after
+    ``torch.manual_seed(forward_seed(seed, step, microbatch, i))`` (its dropout masks)."""
+    if not checkpointing and seeds is None:
         return model(x)
-    for layer in model:
-        x = checkpoint(layer, x, use_reentrant=False)
+    for i, layer in enumerate(model):
+        if seeds is not None:
+            torch.manual_seed(forward_seed(*seeds, i))
+        x = checkpoint(layer, x, use_reentrant=False) if checkpointing else layer(x)
     return x
 
 

@@ -149,10 +149,10 @@ def events(result, kind):
     return found
 
 
-def check_result(result, spec, search=()):
+def check_result(result, spec, search=(), microbatched=False):
     rows = [m for m in result["metrics"] if not m.get("rerun")]
     assert [m["step"] for m in rows] == list(range(1, spec.training.steps + 1))  # every step committed once
-    want = reference.run(spec, search=search)
+    want = reference.run(spec, search=search, microbatched=microbatched)
     for m, loss, lr, norm in zip(rows, want["losses"], want["lr"], want["grad_norm"]):
         assert m["loss"] == pytest.approx(loss, rel=1e-4, abs=1e-6)
         assert m["lr"] == pytest.approx(lr, rel=1e-12) and m["grad_norm"] == pytest.approx(norm, rel=1e-4)
@@ -166,13 +166,16 @@ def final_params(tmp_path):
 
 
 def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
-    """A user's model with parameterless entries (activations, a reshape, a dropout): the
-    reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold.  In ZB-V:
-    each worker holds two model chunks in a V, and the reshape moves every chunk."""
+    """A user's model with parameterless entries (activations, a reshape, a dropout of p = 0.1):
+    the reshape 2x2 -> 1x3 moves stage boundaries, so workers take layers they did not hold.  In
+    ZB-V: each worker holds two model chunks in a V, and the reshape moves every chunk.  The
+    dropout masks follow (seed, step, microbatch, layer), so they are the one-process loop's
+    across the reshape."""
     with_nodes(cluster, 4)
     # with the training recipe: a warm-up and cosine decay that follow the step count across the
     # reshape, and clipping that acts on most steps (the gradient norm's median here is 4.6)
-    spec = elastic_spec("lose-node", 2, 2, model=ENTRIES_MODEL, costs=ENTRIES, schedule="zbv",
+    model = {**ENTRIES_MODEL, "args": {**ENTRIES_MODEL["args"], "dropout": 0.1}}
+    spec = elastic_spec("lose-node", 2, 2, model=model, costs=ENTRIES, schedule="zbv",
                         recipe={"schedule": {"name": "cosine", "warmup_steps": 5, "min_lr": 0.005}, "grad_clip_norm": 3.0})
     job = Job(spec, tmp_path, spec_dir=FIXTURES)
     p = job.wait_step(10)
@@ -182,7 +185,7 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
     result = job.finish()
     assert job.error is None, job.error
     assert result["state"] == "SUCCEEDED"
-    want = check_result(result, spec, search=[FIXTURES])
+    want = check_result(result, spec, search=[FIXTURES], microbatched=True)
     assert_same_params(final_params(tmp_path), want)
     [reshape] = events(result, "reshape")
     assert reshape["old_shape"] == [2, 2] and reshape["new_shape"] == [1, 3]

@@ -1,0 +1,105 @@
+"""Weight gradients of ``nn.Linear`` layers deferred from B to W, for the zero-bubble schedules.
+
+A split schedule (zb_h1, zbv) runs each chunk's backward as B, the gradient of the chunk's
+input (the next stage back waits for it), and later W, the weight gradients (which fill the
+bubble).  torch's ``stage_backward_input`` / ``stage_backward_weight`` split any graph, but on a
+CPU they cost 27-61 % more than the whole backward (bench/split_backward.py): W runs the
+autograd engine once per parameter group, through graph nodes kept alive from B.
+
+Most of a model's weights sit in ``nn.Linear`` layers, whose weight gradient is one matrix
+product: ``grad_out^T @ input``.  So where a chunk holds plain ``nn.Linear`` layers, their
+forward goes through ``_Linear`` below: in B the autograd engine computes the input gradient
+(and every other layer's gradients) as in a whole backward, while each Linear only keeps its
+(input, grad_out) pair; W does the matrix products.  B + W then costs what the whole backward
+costs.  The layer's forward and its gradients are the same operations ``nn.Linear`` runs, so
+the numbers equal a whole backward's.
+
+Only the worker's own copies of the layers are touched (an instance attribute ``forward``,
+removed again by ``uninstall``); the user's class and its state dict are unchanged.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class Pending:
+    """Where the Linear layers of a backward leave what their weight gradients need: the
+    runner points ``into`` at a fresh list before each backward and hands it to W."""
+
+    def __init__(self) -> None:
+        self.into: Optional[list] = None
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, pending):
+        ctx.save_for_backward(x, weight)
+        ctx.module, ctx.pending = module, pending
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, g):
+        x, weight = ctx.saved_tensors
+        gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if ctx.pending.into is None:  # a backward outside the runner's B: do it now
+                weight_grads([(ctx.module, x, g)])
+            else:
+                ctx.pending.into.append((ctx.module, x, g))
+        return gx, None, None, None, None
+
+
+def _accumulate(p: nn.Parameter, value: torch.Tensor) -> None:
+    """As autograd's AccumulateGrad: into ``.grad`` in place (it may be a view into a
+    gradient-sum bucket), or a fresh ``.grad``."""
+    if p.grad is None:
+        p.grad = value
+    else:
+        p.grad.add_(value)
+
+
+@torch.no_grad()
+def weight_grads(pending: list) -> None:
+    """W: each Linear's weight (and bias) gradient from its (input, grad_out) pairs."""
+    for module, x, g in pending:
+        g2 = g.reshape(-1, g.shape[-1])
+        w = module.weight
+        if w.requires_grad:
+            x2 = x.reshape(-1, x.shape[-1])
+            if w.grad is None:
+                w.grad = g2.t().mm(x2)
+            else:  # one product into the gradient, no temporary the size of the weight
+                w.grad.addmm_(g2.t(), x2)
+        if module.bias is not None and module.bias.requires_grad:
+            _accumulate(module.bias, g2.sum(0))
+
+
+def _plain(m: nn.Module) -> bool:
+    """A Linear whose forward is nn.Linear's own (a subclass that overrides it is left alone)."""
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def install(part: nn.Module, pending: Pending) -> int:
+    """Route the forward of every plain Linear in ``part`` through ``_Linear``; returns how many."""
+    n = 0
+    for m in part.modules():
+        if _plain(m):
+            m.forward = _bound(m, pending)
+            n += 1
+    return n
+
+
+def uninstall(part: nn.Module) -> None:
+    for m in part.modules():
+        if _plain(m):
+            m.__dict__.pop("forward", None)
+
+
+def _bound(m: nn.Linear, pending: Pending):
+    def forward(x):
+        return _Linear.apply(x, m.weight, m.bias, m, pending)
+    return forward

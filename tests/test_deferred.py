@@ -1,0 +1,119 @@
+"""The zero-bubble schedules' B/W split for Linear layers (actors/deferred.py), without Ray: the
+gradients of B followed by W equal one whole backward's, on models written as users write them
+(a transformers Llama block, random init; a Linear used twice; a frozen Linear; a subclass with
+its own forward; 3-D inputs), and the layers come back untouched."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from actors import deferred
+
+
+def grads_whole_and_split(model: nn.Module, x: torch.Tensor, runs: int = 2):
+    """(whole backward's gradients, B-then-W gradients, input gradients of each), over ``runs``
+    accumulated backwards, as a step's microbatches accumulate."""
+    split = copy.deepcopy(model)
+    pending = deferred.Pending()
+    assert deferred.install(split, pending) > 0
+    gx = []
+    for m, is_split in ((model, False), (split, True)):
+        xi = x.detach().clone().requires_grad_()
+        for k in range(runs):
+            out = m(xi)
+            out = out[0] if isinstance(out, tuple) else out
+            g = torch.randn_like(out, generator=torch.Generator().manual_seed(k))
+            if is_split:
+                pending.into = []
+                torch.autograd.backward(out, g)
+                if k == 0:  # what B alone left in the gradients
+                    before_w = {n: (q.grad.clone() if q.grad is not None else None) for n, q in m.named_parameters()}
+                deferred.weight_grads(pending.into)
+                pending.into = None
+            else:
+                torch.autograd.backward(out, g)
+        gx.append(xi.grad)
+    whole = {n: q.grad for n, q in model.named_parameters()}
+    got = {n: q.grad for n, q in split.named_parameters()}
+    return whole, got, gx, before_w, split
+
+
+class TwiceLinear(nn.Module):
+    """One Linear applied twice (its gradient is the sum of two products), one frozen."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.frozen = nn.Linear(8, 8, bias=False)
+        self.frozen.weight.requires_grad_(False)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.lin(torch.relu(self.lin(self.norm(self.frozen(x)))))
+
+
+class ScaledLinear(nn.Linear):
+    """A subclass with a forward of its own: left to the autograd engine."""
+
+    def forward(self, x):
+        return super().forward(x) * 2.0
+
+
+def test_a_split_backward_equals_the_whole_one_for_linears_used_twice_frozen_and_subclassed():
+    torch.manual_seed(0)
+    model = nn.Sequential(TwiceLinear(), nn.GELU(), ScaledLinear(8, 8), nn.Linear(8, 3, bias=False))
+    whole, got, gx, before_w, split = grads_whole_and_split(model, torch.randn(4, 5, 8))
+    for n in whole:
+        torch.testing.assert_close(got[n], whole[n], rtol=1e-5, atol=1e-6)  # summed in another order
+    torch.testing.assert_close(gx[1], gx[0], rtol=0, atol=0)
+    assert got["0.frozen.weight"] is None
+    # B left the plain Linears' weights to W, and did the rest (LayerNorm, the subclass) itself
+    assert before_w["3.weight"] is None and before_w["0.norm.weight"] is not None
+    assert before_w["2.weight"] is not None
+    # the worker's copies come back as they were: no forward of their own, same state dict
+    deferred.uninstall(split)
+    assert all("forward" not in m.__dict__ for m in split.modules())
+    assert set(split.state_dict()) == set(model.state_dict())
+
+
+def test_a_split_backward_equals_the_whole_one_on_a_transformers_llama_block():
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
+    cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
+    torch.manual_seed(1)
+    rotary = LlamaRotaryEmbedding(cfg)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = LlamaDecoderLayer(cfg, layer_idx=0)
+
+        def forward(self, h):
+            pos = torch.arange(h.shape[1]).unsqueeze(0)
+            return self.layer(h, position_embeddings=rotary(h, pos))
+
+    model = nn.Sequential(Block(), Block())
+    whole, got, gx, _, _ = grads_whole_and_split(model, torch.randn(2, 6, 32))
+    assert sum(q.numel() for q in model.parameters()) > 10_000
+    for n in whole:
+        torch.testing.assert_close(got[n], whole[n], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gx[1], gx[0], rtol=1e-6, atol=1e-7)
+
+
+def test_a_backward_outside_a_step_still_computes_the_weight_gradients():
+    """Nothing collects the pairs (an evaluation or a user's own backward): done at once."""
+    torch.manual_seed(2)
+    model = nn.Linear(4, 2)
+    split = copy.deepcopy(model)
+    deferred.install(split, deferred.Pending())
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    split(x).sum().backward()
+    torch.testing.assert_close(split.weight.grad, model.weight.grad)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), model(x))
