@@ -120,6 +120,7 @@ class JobController:
                 p = self.spec.parallelism
                 early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pp)])
             self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
+            self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:
                 self.usable = policy.usable_sizes(self.spec, self.layers.facts)

@@ -17,6 +17,7 @@ class Layers:
     stateless: frozenset   # layers with no parameters and no persistent buffers: built whole at any step
     profiled: bool         # the costs were declared or estimated (else all zero)
     on_meta: bool          # traced on the meta device (else run once for real: a small model)
+    skips: list = ()       # the model's skips: (stasher, popper, name, at, (shape, dtype)) (actors/portals.py)
 
     def boundary(self, shape: planner.Shape) -> list:
         """(shape, dtype) of what each stage of ``shape`` sends on."""
@@ -36,8 +37,10 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
         seconds = [0.0] * len(t.metas)
     act_bytes = [_bytes(shape, dtype) for shape, dtype in t.metas]
     facts = planner.LayerFacts(seconds, t.param_bytes, act_bytes, saved_bytes=t.saved_bytes or None,
-                               checkpointing=spec.training.activation_checkpointing)
-    return Layers(facts, t.metas, t.stateless, profiled, t.on_meta)
+                               checkpointing=spec.training.activation_checkpointing,
+                               skips=[(s.stasher, s.popper, _bytes(*s.meta)) for s in t.skips])
+    skips = [(s.stasher, s.popper, s.name, s.at, s.meta) for s in t.skips]
+    return Layers(facts, t.metas, t.stateless, profiled, t.on_meta, skips)
 
 
 def _bytes(shape: tuple, dtype) -> int:

@@ -177,6 +177,8 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
             "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
+            # bytes each worker of replica 0 received from other workers, by kind (act, grad, skip, skipgrad)
+            "received_bytes": [dict(stats[(0, s)].get("received", {})) for s in range(pp)],
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
             **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {}),

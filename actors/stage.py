@@ -58,11 +58,12 @@ def _split_backward():
 
 stage_backward_input, stage_backward_weight = _split_backward()
 
-from actors import deferred
+from actors import deferred, portals
 from actors.batchnorm import RunningStats, norms_of
 from actors.failures import StageAborted, talking_to_peers
 from service import schedules
 from service.loading import forward_seed
+from relaytrain import skip
 
 
 class Transport(Protocol):
@@ -118,6 +119,8 @@ class Cell:
     where: str                        # chunk placement (service/schedules.py: "loop" or "v")
     split: bool                       # backward split into B (input gradient) and W (weight gradient)
     receives: list = field(default_factory=list)  # the step's receives, in the order its actions take them
+    routes: tuple = ()                # skips that cross chunks (actors/portals.py), of the whole pipeline
+    skips: int = 0                    # the model's skips (crossing chunks or not)
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -159,14 +162,22 @@ class Cell:
         mine = tuple(schedules.chunks_of(s, pp, v, where))
         bounds = cfg["bounds"]
         boundary = tuple(_meta(b) if i < V - 1 else None for i, b in enumerate(cfg["boundary"]))
+        skips = cfg.get("skips", [])
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
-                   list(plan.order[s]), boundary, V, where, name in schedules.SPLIT)
+                   list(plan.order[s]), boundary, V, where, name in schedules.SPLIT,
+                   routes=portals.routes(skips, bounds), skips=len(skips))
         for a in cell.actions:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
                 cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.owner(a.stage - 1)))
             elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1):
                 cell.receives.append(("grad", cell.key(g, a.stage), boundary[a.stage], cell.owner(a.stage + 1)))
+            # then the skips this action pops (F) or whose gradients it needs (B), in route order
+            for rt in cell.routes:
+                if a.kind == "F" and rt.dst == a.stage and not cell.local(rt.src):
+                    cell.receives.append(("skip", g * cell.skips + rt.k, rt.meta, cell.owner(rt.src)))
+                elif a.kind == "B" and rt.src == a.stage and not cell.local(rt.dst) and rt.differentiable:
+                    cell.receives.append(("skipgrad", g * cell.skips + rt.k, rt.meta, cell.owner(rt.dst)))
         return cell
 
 
@@ -182,6 +193,7 @@ class _Progress:
     live: int = 0
     peak: int = 0
     timeline: list = field(default_factory=list)
+    received: dict = field(default_factory=dict)  # kind -> bytes received from other workers this step
 
 
 @dataclass(frozen=True)
@@ -227,6 +239,8 @@ class StepRunner:
         self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
                                   recipe.batch_norm, cell.m * cell.dp)
         self.stats_group = stats_group
+        self.portals = portals.Portals(cell.routes, self.parts, {vs: self.parts_range(vs) for vs in self.parts},
+                                       cell.skips)
         self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
@@ -268,7 +282,7 @@ class StepRunner:
         return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "loss": float(p.loss_sum) if c.last else None,
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
-                "grad_sq": grad_sq, "grad_norm": total}
+                "grad_sq": grad_sq, "grad_norm": total, "received": p.received}
 
     def evaluate(self, step: int, xs: Optional[list], ys: Optional[list], batches: int,
                  aborted: Callable[[], bool]) -> dict:
@@ -279,12 +293,17 @@ class StepRunner:
         microbatch / batch size: the sum over replicas is the sum of batch means."""
         c, tr, m = self.cell, self.tr, self.cell.m
         ids = [b * m * c.dp + c.mb0 + j for b in range(batches) for j in range(m)]  # global eval microbatches
-        expected = [("eval", c.key(g, vs - 1), c.boundary[vs - 1], c.owner(vs - 1))
-                    for vs in c.chunks if vs > 0 and not c.local(vs - 1) for g in ids]
+        expected = []
+        for vs in c.chunks:
+            for g in ids:
+                if vs > 0 and not c.local(vs - 1):
+                    expected.append(("eval", c.key(g, vs - 1), c.boundary[vs - 1], c.owner(vs - 1)))
+                expected += [("evalskip", self.portals.key(g, r), r.meta, c.owner(r.src))
+                             for r in self.portals.into[vs] if not c.local(r.src)]
         with talking_to_peers(f"starting the evaluation after step {step}"):
             tr.begin_step(step, expected)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        timeline, handed = [], {}
+        timeline, handed, skips = [], {}, _Progress()
         was_training = self.stage.training
         self.stage.eval()
         try:
@@ -299,12 +318,15 @@ class StepRunner:
                         else:
                             with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
                                 inp = tr.recv_from(c.owner(vs - 1), step, "eval", c.key(g, vs - 1), c.boundary[vs - 1])
+                        received = self._receive_skips(vs, step, g, "evalskip", skips)
+                        tracker = self.portals.tracker(received)
                         t0 = time.time()
-                        with self._autocast():
+                        with self._autocast(), skip.use_tracker(tracker):
                             out = self.parts[vs](inp)
                             if vs == c.virtual - 1:
                                 loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
                         t1 = time.time()
+                        self._send_skips(vs, step, g, "evalskip", self.portals.stashed(vs, tracker), skips)
                         timeline.append((f"{vs}E{g}", t0, t1))
                         if vs == c.virtual - 1:
                             continue
@@ -372,20 +394,27 @@ class StepRunner:
                 inp = p.handed.pop(("act", c.key(g, vs - 1))).detach()
             else:
                 with talking_to_peers(f"receiving the activation of microbatch {g}"):
-                    inp = tr.recv_from(c.owner(vs - 1), step, "act", c.key(g, vs - 1), c.boundary[vs - 1])
+                    inp = self._recv(p, c.owner(vs - 1), step, "act", c.key(g, vs - 1), c.boundary[vs - 1])
             if inp.is_floating_point():
                 inp.requires_grad_()
+        received = self._receive_skips(vs, step, g, "skip", p)
+        for x in received.values():
+            if x.is_floating_point():
+                x.requires_grad_()
         t0 = time.time()
-        with self._autocast():
+        tracker = self.portals.tracker(received)
+        with self._autocast(), skip.use_tracker(tracker):
             out = self._compute(vs, inp, step, g)
             if last:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
+        stashed = self.portals.stashed(vs, tracker)
         if last:
             p.loss_sum += out.detach().double().cpu()
         elif out._is_view():  # a split backward detaches its output in place, which a view refuses
             out = out.clone()
         t1 = time.time()
-        p.stash[(vs, a.mb)] = (inp, out)
+        p.stash[(vs, a.mb)] = (inp, out, received, stashed)
+        self._send_skips(vs, step, g, "skip", stashed, p)
         if not last:
             self._check_shape(out, g, vs)
             if c.local(vs + 1):
@@ -421,54 +450,64 @@ class StepRunner:
         if c.local(vs + 1):
             return p.handed.pop(("grad", c.key(g, vs)))
         with talking_to_peers(f"receiving the gradient of microbatch {g}"):
-            return self.tr.recv_from(c.owner(vs + 1), step, "grad", c.key(g, vs), c.boundary[vs])
+            return self._recv(p, c.owner(vs + 1), step, "grad", c.key(g, vs), c.boundary[vs])
 
     def _backward(self, a, step: int, g: int, p: _Progress) -> tuple[float, float]:
         """B: the gradient of the chunk's input (sent on as soon as it is known); in a schedule
-        without W actions also its weight gradients."""
+        without W actions also its weight gradients.  Skip tensors the chunk stashed for later
+        chunks are outputs too (with the gradients their poppers sent); the ones it popped are
+        inputs (their gradients go back to the stasher)."""
         c, reduce, vs = self.cell, self.reduce, a.stage
-        inp, out = p.stash.pop((vs, a.mb))
+        inp, out, received, stashed = p.stash.pop((vs, a.mb))
         grad = self._out_grad(a, step, g, p)
+        back = self._receive_skips(vs, step, g, "skipgrad", p)
+        outs = [out] + [x for k, x in stashed.items() if k in back]
+        grads = [grad] + [back[k] for k in stashed if k in back]
+        ins = [inp] + [x for x in received.values() if x.requires_grad]
         t0 = time.time()
         needs_input = vs > 0 and inp.requires_grad
+        wants = any(t.requires_grad for t in outs)
         if c.split:
             # the first chunk's input needs no gradient: its whole backward is its W (as torch's schedules do)
-            if needs_input and out.requires_grad and vs in self.deferred:
+            if needs_input and wants and vs in self.deferred:
                 self.pending.into = []
                 try:
-                    torch.autograd.backward(out, grad)
+                    torch.autograd.backward(outs, grads)
                 finally:
                     p.weights[(vs, a.mb)], self.pending.into = ("deferred", self.pending.into), None
-            elif needs_input and out.requires_grad and self.params[vs]:
-                _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(self.params[vs]))
+            elif needs_input and wants and self.params[vs]:
+                _, groups = stage_backward_input(outs, grads, ins, iter(self.params[vs]))
                 p.weights[(vs, a.mb)] = ("groups", groups)
-            elif needs_input and out.requires_grad:  # no weights: the input gradient is the whole backward
-                torch.autograd.backward(out, grad)
+            elif needs_input and wants:  # no weights: the input gradient is the whole backward
+                torch.autograd.backward(outs, grads)
                 p.weights[(vs, a.mb)] = ("done", None)
             else:
-                p.weights[(vs, a.mb)] = ("whole", (out, grad))
+                p.weights[(vs, a.mb)] = ("whole", (outs, grads))
             t1 = time.time()
             if needs_input:
                 self._send_grad(step, g, vs, inp, p)
+                self._send_skips(vs, step, g, "skipgrad", received, p)
             return t0, t1
         final = a == self.final
         if reduce is not None and final:
             with talking_to_peers("arming the gradient sum"):
                 reduce.arm()  # the gradients become final in this backward: all-reduce as they do
-        split = (final and needs_input and out.requires_grad and not self.recipe.checkpointing
+        split = (final and needs_input and wants and not self.recipe.checkpointing
                  and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
         if split:
             # the previous stage's last backward waits for this input gradient: send it
             # before computing the weight gradients, so the pipeline drains sooner
-            _, groups = stage_backward_input([out], None if grad is None else [grad], [inp], iter(self.params[vs]))
+            _, groups = stage_backward_input(outs, grads, ins, iter(self.params[vs]))
             self._send_grad(step, g, vs, inp, p)
+            self._send_skips(vs, step, g, "skipgrad", received, p)
             stage_backward_weight(iter(self.params[vs]), groups)
-        elif out.requires_grad:
-            torch.autograd.backward(out, grad)
+        elif wants:
+            torch.autograd.backward(outs, grads)
         t1 = time.time()
         p.live -= 1
         if not split and needs_input:
             self._send_grad(step, g, vs, inp, p)
+            self._send_skips(vs, step, g, "skipgrad", received, p)
         return t0, t1
 
     def _weights(self, a, p: _Progress) -> tuple[float, float]:
@@ -482,11 +521,52 @@ class StepRunner:
             deferred.weight_grads(what)
         elif how == "groups":
             stage_backward_weight(iter(self.params[a.stage]), what)
-        elif how == "whole" and what[0].requires_grad:
+        elif how == "whole" and any(t.requires_grad for t in what[0]):
             torch.autograd.backward(what[0], what[1])
         t1 = time.time()
         p.live -= 1
         return t0, t1
+
+    def _recv(self, p: _Progress, src: int, step: int, kind: str, key: int, meta) -> torch.Tensor:
+        t = self.tr.recv_from(src, step, kind, key, meta)
+        p.received[kind] = p.received.get(kind, 0) + t.numel() * t.element_size()
+        return t
+
+    def _receive_skips(self, vs: int, step: int, g: int, kind: str, p: _Progress) -> dict:
+        """k -> the skip tensors chunk vs pops (kind "skip"/"evalskip": from their stashers) or
+        the gradients of those it stashed ("skipgrad": from their poppers)."""
+        c, got = self.cell, {}
+        back = kind == "skipgrad"
+        for r in (self.portals.out_of if back else self.portals.into)[vs]:
+            if back and not r.differentiable:
+                continue
+            other = r.dst if back else r.src
+            if c.local(other):
+                got[r.k] = p.handed.pop((kind, r.k, g))
+                if not back:
+                    got[r.k] = got[r.k].detach()
+            else:
+                with talking_to_peers(f"receiving {'the gradient of ' if back else ''}skip {r.name!r} of microbatch {g}"):
+                    got[r.k] = self._recv(p, c.owner(other), step, kind, self.portals.key(g, r), r.meta)
+        return got
+
+    def _send_skips(self, vs: int, step: int, g: int, kind: str, tensors: dict, p: _Progress) -> None:
+        """The skips chunk vs stashed to their poppers ("skip"/"evalskip"), or the gradients of
+        those it popped to their stashers ("skipgrad")."""
+        c = self.cell
+        back = kind == "skipgrad"
+        for r in (self.portals.into if back else self.portals.out_of)[vs]:
+            if back and not r.differentiable:
+                continue
+            x = tensors[r.k]
+            if back:
+                x = x.grad if x.grad is not None else torch.zeros_like(x)
+            other = r.src if back else r.dst
+            if c.local(other):
+                p.handed[(kind, r.k, g)] = x
+            else:
+                with talking_to_peers(f"sending {'the gradient of ' if back else ''}skip {r.name!r} of microbatch {g}"):
+                    self.tr.send_to(c.owner(other), step, kind, self.portals.key(g, r), x)
 
     def _send_grad(self, step: int, g: int, vs: int, inp: torch.Tensor, p: _Progress) -> None:
         c = self.cell

@@ -25,8 +25,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-KINDS = {"act": 0, "grad": 1, "tie": 2, "eval": 3}  # "tie": a tied parameter's gradient, between any two
-# stages; "eval": an evaluation's activation (forward only)
+KINDS = {"act": 0, "grad": 1, "tie": 2, "eval": 3, "skip": 4, "skipgrad": 5, "evalskip": 6}
+# "tie": a tied parameter's gradient, between any two stages; "eval": an evaluation's activation
+# (forward only); "skip", "skipgrad", "evalskip": a skip tensor between the chunks that stash and
+# pop it, its gradient, an evaluation's (actors/portals.py)
 RECV_AHEAD = 2  # receives kept posted ahead of the one being waited for
 INLINE_PART = 96 * 1024    # Ray inlines call arguments up to 100 KiB serialized (max_direct_call_object_size)
 INLINE_MAX = 384 * 1024    # above this, one object-store object costs less than many inline parts (measured)

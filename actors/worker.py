@@ -46,32 +46,9 @@ from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
 
 
-def keep_freed_memory() -> bool:
-    """Have glibc keep the memory a step frees for the next step, instead of giving it back.
-
-    By default glibc serves blocks above 128 KiB (a 1024x1024 weight's gradient is 4 MiB, a
-    64-row activation 256 KiB) with their own mmap and returns them on free, and trims the
-    heap's free top: each step then page-faults its gradients and activations in again, at
-    about 2 us a page here (9 ms a step for 16 MiB of gradients).  Blocks up to 32 MiB (glibc's
-    most) now come from the heap, and up to 1 GiB of free heap is kept: the process's peak
-    (VmHWM) is what it was, its resident size stays there between steps.  Returns whether
-    glibc took the settings (False on another C library)."""
-    import ctypes
-
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    return bool(libc.mallopt(m_mmap_threshold, 32 << 20)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-
-
-
 class StageWorker:
     def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
         self.output = OutputTap.install()  # what user code prints goes to the job's log too
-        if os.environ.get("RELAYTRAIN_GLIBC_DEFAULTS") != "1":
-            keep_freed_memory()
         self.job_id = job_id
         self.spec = JobSpec.model_validate(spec)
         self.search = [os.getcwd(), *search]

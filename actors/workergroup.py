@@ -45,6 +45,7 @@ class WorkerGroup:
         self.gen = 0
         self.gpus = 0.0
         self.pg = None
+        self.skips: list = []                            # the model's skips, from its trace (actors/portals.py)
         self.shape: Optional[planner.Shape] = None
         self.joining: Optional[Joining] = None
         self.cancelled = threading.Event()               # set by JobScheduler.cancel: stop waiting for placement
@@ -153,7 +154,8 @@ class WorkerGroup:
         self.gen += 1
         calls = {(r, s): h.configure.remote(
             {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds,
-             "boundary": boundary, "schedule": p.schedule, "chunks": shape.chunks, "committed": committed}, sources.get((r, s), []))
+             "boundary": boundary, "schedule": p.schedule, "chunks": shape.chunks, "committed": committed,
+             "skips": self.skips}, sources.get((r, s), []))
             for (r, s), h in assign.items()}
         phase = "while taking its cell" if self.gen > 1 else "while starting"
         t0 = time.time()

@@ -90,6 +90,11 @@ def bounds(sizes: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+def chunk_of(bounds: Sequence[tuple[int, int]], layer: int) -> int:
+    """The stage (model chunk) of ``bounds`` that holds ``layer``."""
+    return next(vs for vs, (lo, hi) in enumerate(bounds) if lo <= layer < hi)
+
+
 def choose(partition: Union[str, list[int]], layers: int, stages: int, costs: Sequence[float] | None = None) -> list[int]:
     if isinstance(partition, list):
         if len(partition) != stages or sum(partition) != layers or min(partition) < 1:

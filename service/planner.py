@@ -20,7 +20,8 @@ one step, per replica, for every schedule::
     slot = max over workers of (forward+backward seconds of the layers of all its chunks for one
            microbatch + one hop per chunk boundary that crosses workers, activation out or
            gradient back: 2 per chunk with pp > 1, less the model's two ends; zbv's turn at
-           worker pp-1 is local)
+           worker pp-1 is local; and one hop for each skip connection whose stasher and popper
+           are on different workers, charged to both)
     allreduce = ring all-reduce of the largest worker's parameters among dp replicas
 
 i.e. the plan's makespan in units of the slowest worker's forward+backward, scaled to its
@@ -61,6 +62,8 @@ class LayerFacts:
     # what autograd keeps of a layer for its backward, one microbatch (None: its output only)
     saved_bytes: Optional[Sequence[int]] = None
     checkpointing: bool = False       # training.activation_checkpointing: each layer recomputed in backward
+    # skip connections (relaytrain.skip): (stashing layer, popping layer, bytes for one microbatch)
+    skips: Sequence[tuple] = ()
 
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
@@ -185,6 +188,12 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
             params += sum(facts.param_bytes[lo:hi])
             held += facts.held_bytes(lo, hi, facts.activation_bytes[lo - 1] if lo > 0 else 0)
             recompute = max(recompute, facts.recompute_bytes(lo, hi))
+        for stasher, popper, nbytes in facts.skips:  # a portal: straight from its stasher to its popper
+            src, dst = (schedules.owner(partition.chunk_of(bounds, i), pp, where) for i in (stasher, popper))
+            if src != dst and rank in (src, dst):
+                comm += hop_seconds(transport, nbytes)  # the tensor one way, its gradient the other
+            if rank == dst and src != dst:
+                held += nbytes  # the popper holds what it received until its backward
         slot = max(slot, compute + comm)
         if dp > 1:
             ar = max(ar, 2 * (dp - 1) * ALLREDUCE_LATENCY_S + 2 * (dp - 1) / dp * params / ALLREDUCE_BYTES_PER_S)

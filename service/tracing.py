@@ -36,6 +36,19 @@ class Trace:
     stateless: frozenset   # layers with no parameters and no persistent buffers
     on_meta: bool          # False: the model was run for real (it has no meta kernels)
     saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
+    skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
+
+
+@dataclass(frozen=True)
+class SkipFacts:
+    """A skip connection (relaytrain.skip): the layers that stash and pop it, its name, where it
+    sits among each layer's declarations, and the (shape, dtype) of its tensor for one microbatch."""
+
+    stasher: int
+    popper: int
+    name: str
+    at: tuple
+    meta: tuple
 
 
 def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
@@ -45,8 +58,11 @@ def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch
     are those under bf16 autocast (what crosses a stage boundary)."""
     t = _trace(layers_on, count, x, y, loss)
     if bf16:
-        t = dataclasses.replace(t, metas=[(shape, dtype) for (shape, _), dtype
-                                          in zip(t.metas, _autocast_dtypes(layers_on, count, x, t.on_meta))])
+        dtypes, skip_dtypes = _autocast_dtypes(layers_on, count, x, t.on_meta)
+        t = dataclasses.replace(
+            t, metas=[(shape, dtype) for (shape, _), dtype in zip(t.metas, dtypes)],
+            skips=[dataclasses.replace(s, meta=(s.meta[0], skip_dtypes.get((s.stasher, s.name), s.meta[1])))
+                   for s in t.skips])
     return t
 
 
@@ -57,9 +73,11 @@ def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: in
     for real when the model was run for real."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    from relaytrain import skip
+
     mode = FakeTensorMode(allow_non_fake_inputs=True) if on_meta else contextlib.nullcontext()
-    dtypes = []
-    with mode:
+    dtypes, recorder, stashers = [], _Recorder(skip.Tracker()), {}
+    with mode, skip.use_tracker(recorder):
         layers = layers_on("cpu")
         h = mode.from_tensor(x) if on_meta else x
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -70,7 +88,10 @@ def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: in
                     raise SpecError(f"layer {i} ({type(layers[i]).__name__}) fails under bf16 autocast "
                                     f"(training.precision: bf16): {type(e).__name__}: {e}") from None
                 dtypes.append(h.dtype)
-    return dtypes
+                for key in recorder.metas:
+                    stashers.setdefault(key, i)
+    # (stasher layer, name) -> the skip tensor's dtype under autocast
+    return dtypes, {(stashers[key], key[1]): meta[1] for key, meta in recorder.metas.items()}
 
 
 def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
@@ -122,7 +143,35 @@ class _Saved:
         return t
 
 
+class _Recorder:
+    """A skip tracker that notes the shape and dtype of what is stashed."""
+
+    def __init__(self, inner):
+        self.inner, self.metas = inner, {}
+
+    def save(self, key, tensor):
+        self.metas[key] = (tuple(tensor.shape), tensor.dtype)
+        self.inner.save(key, tensor)
+
+    def load(self, key):
+        return self.inner.load(key)
+
+
 def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
+    from relaytrain import skip
+
+    try:
+        found = skip.layout([layers[i] for i in range(count)])
+    except skip.SkipError as e:
+        raise _UserError(f"the model's skip connections: {e}") from None
+    recorder = _Recorder(skip.Tracker())
+    with skip.use_tracker(recorder):
+        t = _run_layers(layers, count, x, y, loss, on_meta)
+    facts = [SkipFacts(s.stasher, s.popper, s.name, s.at, recorder.metas[s.key]) for s in found]
+    return dataclasses.replace(t, skips=facts)
+
+
+def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
     metas, flops, io, saved = [], [], [], []
     h = x
     with torch.enable_grad():  # what autograd saves is what a microbatch in flight holds

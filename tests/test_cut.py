@@ -103,3 +103,85 @@ def test_a_batch_norm_mode_that_is_not_built_is_refused_with_the_modes_there_are
     with pytest.raises(SpecError) as e:
         bn_spec(1, 1, "global")
     assert "training.batch_norm: Input should be 'microbatch' or 'deferred'" in str(e.value)
+
+
+# ---- skip connections across stages (portals)
+
+def unet_spec(dp, pp, schedule="1f1b", transport="collective", steps=3, **over):
+    d = {
+        "name": f"unet-{dp}x{pp}-{schedule}-{transport}".replace("_", "-"),
+        "model": {"builder": "userpkg.models:unet"},  # 9 entries: the outer skip 2 -> 7, the inner 3 -> 6
+        "data": {"kind": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps, "seed": 2},
+        "parallelism": {"dp": dp, "pp": pp, "schedule": schedule, "transport": transport, "partition": "uniform"},
+    }
+    for k, v in over.items():
+        d[k] = {**d.get(k, {}), **v}
+    return parse_spec(d)
+
+
+def check_unet(spec, out):
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(out / "model.pt"), want["params"])
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["loss"] for r in rows] == pytest.approx(want["losses"][rows[0]["step"] - 1:], rel=1e-4)
+    return rows
+
+
+@pytest.mark.parametrize("dp, pp, schedule, transport", [
+    (1, 2, "1f1b", "collective"), (1, 3, "gpipe", "collective"), (1, 3, "1f1b", "object_store"),
+    (2, 2, "gpipe", "object_store"), (1, 2, "zbv", "collective")])
+def test_skips_across_stages_go_straight_to_their_popper(ray_session, tmp_path, dp, pp, schedule, transport):
+    """A U-Net-like model with two nested skips equals its one-process run; with pp = 3 the
+    outer skip (layer 2 -> 7) jumps from stage 0 to stage 2: stage 1 receives no skip bytes,
+    stage 2 receives both skips, and the gradients go straight back."""
+    spec = unet_spec(dp, pp, schedule, transport)
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    rows = check_unet(spec, tmp_path)
+    got = rows[-1]["received_bytes"]
+    m = spec.microbatches // dp
+    # outer skip 8 x 32 floats, inner 8 x 16, per microbatch
+    outer, inner = 8 * 32 * 4 * m, 8 * 16 * 4 * m
+    if pp == 3 and schedule != "zbv":  # stages [0-2], [3-5], [6-8]
+        assert got[1].get("skip", 0) == 0 and got[2]["skip"] == outer + inner
+        assert got[0]["skipgrad"] == outer and got[1]["skipgrad"] == inner
+    elif pp == 2 and schedule != "zbv":  # [0-4], [5-8]: both skips cross the one boundary
+        assert got[1]["skip"] == outer + inner and got[0]["skipgrad"] == outer + inner
+    else:  # ZB-V: chunks [0-2] [3-4] [5-6] [7-8], worker 0 holds the first and the last, worker 1 the
+        # middle two: each skip starts and ends on one worker and is handed over in memory
+        assert all("skip" not in g and "skipgrad" not in g for g in got), got
+
+
+def test_a_skip_inside_one_stage_stays_local_and_a_resume_moves_the_cut(ray_session, tmp_path):
+    """pp = 2 with the cut after layer 7: both skips stay inside stage 0 (nothing crosses
+    but the activations).  The checkpoint then resumes at pp = 3, where the cut falls between
+    each stash and its pop."""
+    from service import checkpoint
+
+    ckpt = tmp_path / "ckpt"
+    first = unet_spec(1, 2, steps=4, parallelism={"partition": [8, 1]},
+                      checkpoint={"every_steps": 2, "path": str(ckpt)})
+    run_job(spec=first, spec_dir=FIXTURES, out=str(tmp_path / "a"), progress=False, timeout=120)
+    rows = [json.loads(x) for x in open(tmp_path / "a" / "metrics.jsonl")]
+    assert set(rows[-1]["received_bytes"][1]) == {"act"} and set(rows[-1]["received_bytes"][0]) == {"grad"}
+    step2 = next(p for p in checkpoint.list_checkpoints(ckpt) if checkpoint.step_of(p) == 2)
+    second = unet_spec(1, 3, steps=4, checkpoint={"every_steps": 0, "path": str(ckpt)})
+    run_job(spec=second, spec_dir=FIXTURES, out=str(tmp_path / "b"), progress=False, timeout=120, resume=str(step2))
+    check_unet(second, tmp_path / "b")
+
+
+@pytest.mark.parametrize("model, says", [
+    ("userpkg.models:unet_unpopped", "skip 'enc' is stashed by layer 2 and never popped: add a layer that pops it"),
+    ("userpkg.models:unet_twice", "skip 'enc' is stashed twice in one namespace (layers 2 and 3): give each use of "
+                                  "the layer its own Namespace"),
+])
+def test_skips_that_do_not_add_up_are_refused_before_any_actor_starts(tmp_path, model, says):
+    from service.loading import preflight
+    from service.spec import SpecError
+
+    with pytest.raises(SpecError) as e:
+        preflight(unet_spec(1, 2, model={"builder": model}), search=[FIXTURES])
+    assert says in str(e.value)
+    with pytest.raises(SpecError, match="activation_checkpointing does not support yet"):
+        preflight(unet_spec(1, 2, training={"activation_checkpointing": True}), search=[FIXTURES])

@@ -181,3 +181,18 @@ def test_plan_passes_chunks_and_needs_a_layer_per_virtual_stage():
     assert d.shape.placement == "v" and d.shape.pp >= 2
     with pytest.raises(ValueError, match="zbv places 2 model chunks"):
         plan(4, EQUAL6, 64, 8, preferred=(2, 2), schedule="zbv")
+
+
+def test_a_portal_between_workers_costs_a_hop_and_the_poppers_memory():
+    """A skip of 1 MiB from layer 0 to layer 3: across workers at pp = 2 (one more hop on
+    each end, the popper holds it), inside one worker at pp = 1 (free)."""
+    from service.planner import LayerFacts, model_shape
+
+    plain = LayerFacts([0.01] * 4, [1000] * 4, [4096] * 4)
+    skip = LayerFacts([0.01] * 4, [1000] * 4, [4096] * 4, skips=[(0, 3, 2**20)])
+    two, two_skip = (model_shape(f, 1, 2, 4, partition_rule=[2, 2]) for f in (plain, skip))
+    assert two_skip.step_s > two.step_s
+    # 1F1B: the last worker holds one microbatch at a time, and with it one skip tensor
+    assert 2**20 < two_skip.memory_bytes <= 2**20 + two.memory_bytes
+    one, one_skip = (model_shape(f, 1, 1, 4) for f in (plain, skip))
+    assert one_skip.step_s == one.step_s and one_skip.memory_bytes == one.memory_bytes
