@@ -10,9 +10,11 @@ Most of a model's weights sit in ``nn.Linear`` layers, whose weight gradient is 
 product: ``grad_out^T @ input``.  So where a chunk holds plain ``nn.Linear`` layers, their
 forward goes through ``_Linear`` below: in B the autograd engine computes the input gradient
 (and every other layer's gradients) as in a whole backward, while each Linear only keeps its
-(input, grad_out) pair; W does the matrix products.  B + W then costs what the whole backward
-costs.  The layer's forward and its gradients are the same operations ``nn.Linear`` runs, so
-the numbers equal a whole backward's.
+(input, grad_out) pair; W does the matrix products, each straight into ``.grad``
+(``grad.addmm_(g^T, x)``), where autograd computes a new gradient and adds it.  B + W then
+costs no more than the whole backward (bench/split_backward.py).  The layer's forward and its
+gradients are the same operations ``nn.Linear`` runs, so the numbers equal a whole backward's
+up to summation order.
 
 Only the worker's own copies of the layers are touched (an instance attribute ``forward``,
 removed again by ``uninstall``); the user's class and its state dict are unchanged.

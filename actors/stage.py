@@ -230,7 +230,8 @@ class StepRunner:
         grads = [a for a in cell.actions if a.kind == ("W" if cell.split else "B")]
         self.final = grads[-1] if grads else None
         # split schedules: the chunks whose Linear layers leave their weight gradients to W
-        # (actors/deferred.py); the others split with torch's stage_backward_input/weight
+        # (actors/deferred.py: one addmm_ into .grad each); the others split with torch's
+        # stage_backward_input/weight.  Not under bf16 autocast
         self.pending, self.deferred = deferred.Pending(), set()
         for vs, part in self.parts.items():
             deferred.uninstall(part)
