@@ -176,7 +176,7 @@ class JobController:
     def _announce(self, shape: planner.Shape, why: str) -> None:
         self.record.announce_shape(shape, why, self.spec, gpus=self.group.gpus, workers=self.group.describe(),
                                    costs=list(self.layers.facts.seconds) if self.layers.profiled else None,
-                                   usable=self.usable)
+                                   usable=self.usable, skips=self.layers.skips)
 
     # ---------------------------------------------------------------- steps
 

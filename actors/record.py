@@ -14,7 +14,7 @@ from actors.failures import JobFailure
 from actors.metrics import JobMetrics
 from actors.output import OutputTap
 from actors.store_sink import StoreSink
-from service import schedules, timeline
+from service import partition, schedules, timeline
 from service.states import JobState
 
 
@@ -88,8 +88,9 @@ class JobRecord:
         self.job_metrics.committed(row)
 
     def announce_shape(self, shape, why: str, spec, *, gpus: float, workers: dict, costs: Optional[list],
-                       usable: Optional[list] = None) -> None:
-        """A shape was installed: the job's shape field and a ``shape`` event."""
+                       usable: Optional[list] = None, skips=()) -> None:
+        """A shape was installed: the job's shape field and a ``shape`` event (``skips``: the
+        model's skip connections, whose portals between chunks it lists)."""
         p = spec.parallelism
         info = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
                 "stages_per_worker": shape.chunks,
@@ -98,6 +99,10 @@ class JobRecord:
                 "workers": workers}
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
+        bounds = partition.bounds(shape.sizes)
+        portals = [[partition.chunk_of(bounds, s[0]), partition.chunk_of(bounds, s[1]), s[2]] for s in skips]
+        if any(a != b for a, b, _ in portals):  # skips between model chunks: [from chunk, to chunk, name]
+            info["portals"] = [q for q in portals if q[0] != q[1]]
         self.set_shape(info)
         per = "stage" if shape.chunks == 1 else f"model chunk ({shape.chunks} per worker)"
         self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per {per} {list(shape.sizes)}, "

@@ -47,6 +47,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
             "schedule": shape.get("schedule"), "chunks": chunks_of(shape),
             "microbatches_per_replica": shape.get("microbatches_per_replica"),
             "nodes": dict(shape.get("workers") or {}),
+            "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
                         for w, acts in workers.items()}}
 
@@ -141,10 +142,29 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
+            "portals": _portals(entry, lanes),
             "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"], "chunks": chunks_of(entry),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
             "utilization_plan": plan, "lanes": lanes}
+
+
+def _portals(entry: dict, lanes: list[dict]) -> list[dict]:
+    """Each skip tensor that went from one worker to another (relaytrain.skip): from the end of
+    the forward that stashed it (chunk ``src``) to the start of the forward that popped it
+    (chunk ``dst``), microbatch by microbatch."""
+    where = {b["action"]: (lane["worker"], b) for lane in lanes for b in lane["actions"] if b["kind"] == "F"}
+    out = []
+    for src, dst, name in entry.get("portals") or []:
+        for a, (worker, b) in where.items():
+            act = schedules.Action.parse(a)
+            if act.stage != src:
+                continue
+            to = where.get(f"{dst}F{act.mb}")
+            if to is not None and to[0] != worker:
+                out.append({"skip": name, "mb": act.mb, "from": worker, "to": to[0], "start": b["end"],
+                            "end": to[1]["start"]})
+    return sorted(out, key=lambda q: (q["start"], q["skip"]))
 
 
 def steps_text(steps: list[int]) -> str:
@@ -250,8 +270,27 @@ def render_svg(v: dict, width: int = 960, title: Optional[str] = None) -> str:
     split = v.get("schedule") in schedules.SPLIT
     for i, lane in enumerate(v["lanes"]):
         out += _lane(lane, lay.lane_y(i), lay, split)
+    out += _portal_lines(v, lay)
     out.append("</svg>")
     return "\n".join(out) + "\n"
+
+
+def _portal_lines(v: dict, lay: _Layout) -> list[str]:
+    """A dashed line per skip tensor sent between workers: from the bottom of the stasher's lane
+    where its forward ended to the top of the popper's lane where its forward began."""
+    row = {lane["worker"]: i for i, lane in enumerate(v["lanes"])}
+    out = []
+    for q in v.get("portals") or []:
+        y0, y1 = lay.lane_y(row[q["from"]]), lay.lane_y(row[q["to"]])
+        if y1 > y0:
+            y0 += lay.lane_h
+        else:
+            y1 += lay.lane_h
+        tip = f'skip {q["skip"]!r} of microbatch {q["mb"]}: {q["from"]} -> {q["to"]}'
+        out.append(f'<line class="portal" data-skip={quoteattr(q["skip"])} data-mb="{q["mb"]}" '
+                   f'x1="{lay.x(q["start"])}" y1="{y0}" x2="{lay.x(q["end"])}" y2="{y1}" stroke="#7b2cbf" '
+                   f'stroke-width="1.5" stroke-dasharray="4 3"><title>{escape(tip)}</title></line>')
+    return out
 
 
 def _svg_open(v: dict, lay: _Layout) -> list[str]:

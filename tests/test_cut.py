@@ -140,8 +140,15 @@ def test_skips_across_stages_go_straight_to_their_popper(ray_session, tmp_path, 
     outer skip (layer 2 -> 7) jumps from stage 0 to stage 2: stage 1 receives no skip bytes,
     stage 2 receives both skips, and the gradients go straight back."""
     spec = unet_spec(dp, pp, schedule, transport)
-    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
     rows = check_unet(spec, tmp_path)
+    # the timeline draws each skip sent between workers (the shape event lists the portals)
+    from service import timeline
+
+    shape = next(json.loads(x) for x in open(tmp_path / "events.jsonl") if json.loads(x)["type"] == "shape")
+    drawn = timeline.view(timeline.record(3, shape, final["timelines"][-1]["workers"]))["portals"]
+    if pp == 3 and schedule != "zbv":
+        assert {(q["skip"], q["from"][-1], q["to"][-1]) for q in drawn} == {("enc", "0", "2"), ("enc", "1", "2")}
     got = rows[-1]["received_bytes"]
     m = spec.microbatches // dp
     # outer skip 8 x 32 floats, inner 8 x 16, per microbatch

@@ -195,11 +195,12 @@ def test_node_lost_mid_run_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
 
 
 def test_a_lost_node_moves_the_cut_between_a_stash_and_its_pop(cluster, tmp_path):
-    """A U-Net-like model whose two nested skips cross stages (relaytrain.skip): 1x3 loses a
-    node and goes on at 1x2, where the stage boundaries, and so the ends of each portal, are
-    elsewhere.  Every step equals the one-process loop."""
+    """A U-Net-like model whose two nested skips cross stages (relaytrain.skip), with a
+    BatchNorm1d in its bottleneck: 1x3 loses a node and goes on at 1x2, where the stage
+    boundaries, and so the ends of each portal and the BatchNorm's stage, are elsewhere.  Every
+    step, and the BatchNorm's buffers (training.batch_norm: deferred), equal the one-process loop."""
     with_nodes(cluster, 3)
-    unet = {"builder": "userpkg.models:unet", "args": {"dtype": "float64"}}  # 10 entries: skips 3 -> 8, 4 -> 7
+    unet = {"builder": "userpkg.models:unet", "args": {"dtype": "float64", "batch_norm": True}}  # skips 3 -> 8, 4 -> 7
     base = elastic_spec("unet-lose", 1, 3, model=unet, costs=[0.01, 0.1, 0.01, 10, 10, 10, 0.01, 10, 10, 0.1])
     d = base.model_dump(mode="json")
     d["resources"]["memory_per_worker_mb"] = 0.12  # the whole model does not fit one worker
@@ -210,9 +211,14 @@ def test_a_lost_node_moves_the_cut_between_a_stash_and_its_pop(cluster, tmp_path
     cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
     result = job.finish()
     assert job.error is None, job.error
-    assert_same_params(final_params(tmp_path), check_result(result, spec, search=[FIXTURES]))
+    got, want = final_params(tmp_path), check_result(result, spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(got, want)
+    assert int(got["5.1.num_batches_tracked"]) == spec.training.steps  # one update a step, across the reshape
     [reshape] = events(result, "reshape")
-    assert reshape["old_shape"] == [1, 3] and reshape["new_shape"] == [1, 2] and reshape["steps_lost"] == 0
+    assert reshape["old_shape"] == [1, 3] and reshape["new_shape"] == [1, 2]
+    # the peer copy of the newest step may still be in flight when the node dies (steps are ~30 ms
+    # here): then that step runs again, as test_without_a_current_copy_... shows; never more
+    assert reshape["steps_lost"] <= 1
     skips = [r["received_bytes"] for r in result["metrics"]]
     assert skips[0][2].get("skip") and skips[-1][1].get("skip")  # a portal into the last stage, both shapes
 

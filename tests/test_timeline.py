@@ -358,3 +358,18 @@ def test_svg_draws_w_boxes_in_their_own_shade_striped():
     assert "input-gradient backward of microbatch 0" in b_box.find(f"{SVG}title").text
     assert len(lane.findall(f"{SVG}rect[@class='weight-stripes']")) == len(w)
     assert "zbv (2 chunks per worker)" in text and "B = W = forward" in text
+
+
+def test_portals_are_drawn_from_the_stashers_forward_to_the_poppers():
+    """A skip from chunk 0 to chunk 2 at pp = 3 (relaytrain.skip): one dashed line per microbatch
+    from w0.0's forward to w0.2's, none into w0.1."""
+    e = timeline.record(2, {**shape(dp=1, pp=3, m=2), "portals": [[0, 2, "enc"]]}, fake_workers(dp=1, pp=3, m=2))
+    v = timeline.view(e, [2])
+    assert [(q["skip"], q["mb"], q["from"], q["to"]) for q in v["portals"]] == [("enc", 0, "w0.0", "w0.2"),
+                                                                              ("enc", 1, "w0.0", "w0.2")]
+    f0 = next(b for lane in v["lanes"] for b in lane["actions"] if b["action"] == "0F0")
+    f2 = next(b for lane in v["lanes"] for b in lane["actions"] if b["action"] == "2F0")
+    assert (v["portals"][0]["start"], v["portals"][0]["end"]) == (f0["end"], f2["start"])
+    svg = timeline.render_svg(v)
+    assert svg.count('class="portal"') == 2 and "skip 'enc' of microbatch 0: w0.0 -&gt; w0.2" in svg
+    assert timeline.view(timeline.record(2, shape(dp=1, pp=3, m=2), fake_workers(dp=1, pp=3, m=2)))["portals"] == []
