@@ -21,7 +21,6 @@ So every replica holds the same buffers after every step, whatever the shape.
 """
 from __future__ import annotations
 
-import itertools
 from typing import Optional
 
 import torch
@@ -68,26 +67,34 @@ class RunningStats:
         if not self.modules:
             return None
         rows = self.total if self.mode == "microbatch" else 1
-        # each module's columns: its channels' sums, their sums of squares, the count
-        offs = list(itertools.accumulate((2 * m.num_features + 1 for m in self.modules), initial=0))
-        flat = torch.zeros(rows, offs[-1], dtype=torch.float64)
-        for (i, g), (s1, s2, n) in self.seen.items():
-            r, o, c = (g if rows > 1 else 0), offs[i], self.modules[i].num_features
-            flat[r, o:o + c] += s1.cpu()
-            flat[r, o + c:o + 2 * c] += s2.cpu()
-            flat[r, o + 2 * c] += n
+        sizes = [2 * m.num_features + 1 for m in self.modules]
+        flat = torch.zeros(rows, sum(sizes), dtype=torch.float64)
+        off = 0
+        for i, size in enumerate(sizes):
+            c = self.modules[i].num_features
+            for (j, g), (s1, s2, n) in self.seen.items():
+                if j != i:
+                    continue
+                r = g if rows > 1 else 0
+                flat[r, off:off + c] += s1.cpu()
+                flat[r, off + c:off + 2 * c] += s2.cpu()
+                flat[r, off + 2 * c] += n
+            off += size
         if group is not None:
             dist.all_reduce(flat, group=group)
-        updates = []
-        for m, o in zip(self.modules, offs):
-            c, mine = m.num_features, []
+        updates, off = [], 0
+        for m, size in zip(self.modules, sizes):
+            c = m.num_features
+            mine = []
             for r in range(rows):
-                s1, s2, n = flat[r, o:o + c], flat[r, o + c:o + 2 * c], flat[r, o + 2 * c]
+                s1, s2, n = flat[r, off:off + c], flat[r, off + c:off + 2 * c], flat[r, off + 2 * c]
                 if n == 0:  # a microbatch this layer did not see (no step runs it partly)
                     continue
                 mean = s1 / n
-                mine.append((mean, (s2 - s1 * mean) / max(float(n) - 1, 1.0)))
+                var = (s2 - s1 * mean) / max(float(n) - 1, 1.0)
+                mine.append((mean, var))
             updates.append(mine)
+            off += size
         return updates
 
     def apply(self, updates: Optional[list]) -> None:

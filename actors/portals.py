@@ -36,11 +36,6 @@ class Route:
         return self.meta[1].is_floating_point
 
 
-def key(g: int, k: int, count: int) -> int:
-    """The transport key of skip k (of ``count``) for global microbatch g."""
-    return g * count + k
-
-
 def routes(skips: list, bounds: list) -> tuple:
     """The skips (``(stasher, popper, name, at, (shape, dtype))`` each) that cross the chunks
     ``bounds`` ([lo, hi) per virtual stage)."""
@@ -71,7 +66,7 @@ class Portals:
                 self.pop_key[r.k] = m.skip_key(name)
 
     def key(self, g: int, r: Route) -> int:
-        return key(g, r.k, self.count)
+        return g * self.count + r.k
 
     def tracker(self, received: dict) -> skip.Tracker:
         """A chunk's tracker for one forward, holding what it pops from other chunks."""

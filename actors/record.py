@@ -10,7 +10,6 @@ import threading
 import time
 from typing import Any, Optional
 
-from actors import portals
 from actors.failures import JobFailure
 from actors.metrics import JobMetrics
 from actors.output import OutputTap
@@ -100,9 +99,10 @@ class JobRecord:
                 "workers": workers}
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
-        crossing = portals.routes(skips, partition.bounds(shape.sizes))
-        if crossing:  # skips between model chunks: [from chunk, to chunk, name]
-            info["portals"] = [[r.src, r.dst, r.name] for r in crossing]
+        bounds = partition.bounds(shape.sizes)
+        portals = [[partition.chunk_of(bounds, s[0]), partition.chunk_of(bounds, s[1]), s[2]] for s in skips]
+        if any(a != b for a, b, _ in portals):  # skips between model chunks: [from chunk, to chunk, name]
+            info["portals"] = [q for q in portals if q[0] != q[1]]
         self.set_shape(info)
         per = "stage" if shape.chunks == 1 else f"model chunk ({shape.chunks} per worker)"
         self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per {per} {list(shape.sizes)}, "

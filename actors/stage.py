@@ -11,7 +11,6 @@ whatever fails elsewhere (the user's model, data or loss) is the user's error.
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
@@ -176,9 +175,9 @@ class Cell:
             # then the skips this action pops (F) or whose gradients it needs (B), in route order
             for rt in cell.routes:
                 if a.kind == "F" and rt.dst == a.stage and not cell.local(rt.src):
-                    cell.receives.append(("skip", portals.key(g, rt.k, cell.skips), rt.meta, cell.owner(rt.src)))
+                    cell.receives.append(("skip", g * cell.skips + rt.k, rt.meta, cell.owner(rt.src)))
                 elif a.kind == "B" and rt.src == a.stage and not cell.local(rt.dst) and rt.differentiable:
-                    cell.receives.append(("skipgrad", portals.key(g, rt.k, cell.skips), rt.meta, cell.owner(rt.dst)))
+                    cell.receives.append(("skipgrad", g * cell.skips + rt.k, rt.meta, cell.owner(rt.dst)))
         return cell
 
 
@@ -277,8 +276,7 @@ class StepRunner:
         grad_sq, total = self._grad_norm(step)
         if self.norms.modules:
             with talking_to_peers(f"summing the BatchNorm statistics of step {step + 1} with the stage's replicas"):
-                self.norm_update = functools.partial(self.norms.apply,
-                                                     self.norms.reduce(self.stats_group if c.dp > 1 else None))
+                self.norm_update = (self.norms, self.norms.reduce(self.stats_group if c.dp > 1 else None))
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
@@ -347,10 +345,13 @@ class StepRunner:
             raise StageAborted(f"the evaluation after step {step} was discarded")
         return {"loss_sum": float(loss_sum) if c.last else None, "timeline": timeline}
 
-    def take_norm_update(self) -> Optional[Callable[[], None]]:
+    def take_norm_update(self):
         """The last step's BatchNorm buffer update (a callable), or None; applied at the commit."""
         got, self.norm_update = self.norm_update, None
-        return got
+        if got is None:
+            return None
+        stats, updates = got
+        return lambda: stats.apply(updates)
 
     def _grad_norm(self, step: int) -> tuple[float, Optional[float]]:
         """This worker's share of the squared gradient norm, and with ``global_norm`` the whole

@@ -175,12 +175,6 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     bounds = partition.bounds(sizes)
     slot, ar, mem = 0.0, 0.0, 0
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
-    # portals (skip connections) between workers: (stasher's worker, popper's worker, bytes)
-    def worker_of(layer: int) -> int:
-        return schedules.owner(partition.chunk_of(bounds, layer), pp, where)
-
-    ends = [(worker_of(stasher), worker_of(popper), nbytes) for stasher, popper, nbytes in facts.skips]
-    portals = [(src, dst, nbytes) for src, dst, nbytes in ends if src != dst]
     for rank in range(pp):
         compute = comm = 0.0
         params = held = recompute = 0
@@ -194,10 +188,11 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
             params += sum(facts.param_bytes[lo:hi])
             held += facts.held_bytes(lo, hi, facts.activation_bytes[lo - 1] if lo > 0 else 0)
             recompute = max(recompute, facts.recompute_bytes(lo, hi))
-        for src, dst, nbytes in portals:  # straight from the stasher to the popper
-            if rank in (src, dst):
+        for stasher, popper, nbytes in facts.skips:  # a portal: straight from its stasher to its popper
+            src, dst = (schedules.owner(partition.chunk_of(bounds, i), pp, where) for i in (stasher, popper))
+            if src != dst and rank in (src, dst):
                 comm += hop_seconds(transport, nbytes)  # the tensor one way, its gradient the other
-            if rank == dst:
+            if rank == dst and src != dst:
                 held += nbytes  # the popper holds what it received until its backward
         slot = max(slot, compute + comm)
         if dp > 1:
