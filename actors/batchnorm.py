@@ -15,7 +15,9 @@ step's commit (a discarded step moves no buffer):
   that microbatch's mean and unbiased variance: what one process accumulating over the same
   microbatches in order does;
 - ``deferred``: one update per step, with the whole global batch's mean and unbiased variance:
-  what one process's BatchNorm does after one forward of the whole batch.
+  what one process's BatchNorm does after one forward of the whole batch;
+- ``global``: normalised with the whole global batch's statistics too (actors/globalnorm.py:
+  the worker's microbatches meet at each BatchNorm), updated as ``deferred``.
 
 So every replica holds the same buffers after every step, whatever the shape.
 """
@@ -26,23 +28,17 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
-
-
-def norms_of(part: nn.Module) -> list:
-    """The BatchNorm layers of ``part`` that keep running statistics (a subclass with a forward
-    of its own, such as SyncBatchNorm, is left alone)."""
-    return [m for m in part.modules()
-            if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward and m.track_running_stats]
 
 
 class RunningStats:
     """The running statistics of a worker's BatchNorm layers over one step."""
 
-    def __init__(self, modules: list, mode: str, microbatches: int):
+    def __init__(self, modules: list, mode: str, microbatches: int, group=None):
         self.modules, self.mode, self.total = modules, mode, microbatches
+        self.group = group               # the stage's replicas (dp > 1): where sums are summed
         self.g = 0                       # the global microbatch whose forward (or recompute) runs
+        self.lockstep = None             # global mode: the step's forwards meeting at each BatchNorm
         self.seen: dict = {}             # (module index, microbatch) -> (sum, sum of squares, count)
         for i, m in enumerate(modules):
             m.forward = _bound(self, i, m)
@@ -60,6 +56,15 @@ class RunningStats:
             xd = x.detach().double()
             n = x.numel() // x.shape[1]
             self.seen[(i, self.g)] = (xd.sum(dims), (xd * xd).sum(dims), n)  # a recompute writes the same
+
+    def together(self, i: int, xs: list) -> tuple:
+        """Global mode: BatchNorm ``i`` on every microbatch of the step at once (and, with the
+        stage's replicas, on theirs): its outputs, one per microbatch."""
+        from actors.globalnorm import GlobalNorm
+
+        m = self.modules[i]
+        self.record(i, torch.cat([x.detach() for x in xs]))
+        return GlobalNorm.apply(m.weight, m.bias, m.eps, self.group, *xs)
 
     def reduce(self, group) -> Optional[list]:
         """The step's updates, summed over the stage's replicas (``group``; None: one replica):
@@ -117,6 +122,11 @@ def _bound(stats: RunningStats, i: int, m: _BatchNorm):
         if not m.training:
             return own(m, x)
         m._check_input_dim(x)
+        if stats.mode == "global":
+            if stats.lockstep is None:
+                raise RuntimeError(f"BatchNorm {type(m).__name__}({m.num_features}) ran outside the step's forwards, "
+                                   "where training.batch_norm: global cannot see the whole batch")
+            return stats.lockstep.meet(i, x)
         stats.record(i, x)
         return F.batch_norm(x, None, None, m.weight, m.bias, True, 0.0, m.eps)
     return forward

@@ -38,7 +38,8 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
     act_bytes = [_bytes(shape, dtype) for shape, dtype in t.metas]
     facts = planner.LayerFacts(seconds, t.param_bytes, act_bytes, saved_bytes=t.saved_bytes or None,
                                checkpointing=spec.training.activation_checkpointing,
-                               skips=[(s.stasher, s.popper, _bytes(*s.meta)) for s in t.skips])
+                               skips=[(s.stasher, s.popper, _bytes(*s.meta)) for s in t.skips],
+                               gathers=t.norms if spec.training.batch_norm == "global" else frozenset())
     skips = [(s.stasher, s.popper, s.name, s.at, s.meta) for s in t.skips]
     return Layers(facts, t.metas, t.stateless, profiled, t.on_meta, skips)
 

@@ -11,6 +11,7 @@ whatever fails elsewhere (the user's model, data or loss) is the user's error.
 """
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Protocol
@@ -59,10 +60,12 @@ def _split_backward():
 stage_backward_input, stage_backward_weight = _split_backward()
 
 from actors import deferred, portals
-from actors.batchnorm import RunningStats, norms_of
+from actors.batchnorm import RunningStats
 from actors.failures import StageAborted, talking_to_peers
+from actors.globalnorm import Lockstep
 from service import schedules
 from service.loading import forward_seed
+from service.tracing import norms_of
 from relaytrain import skip
 
 
@@ -237,9 +240,14 @@ class StepRunner:
             deferred.uninstall(part)
             if cell.split and not recipe.bf16 and deferred.install(part, self.pending):
                 self.deferred.add(vs)
+        self.stats_group = stats_group if cell.dp > 1 else None
         self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
-                                  recipe.batch_norm, cell.m * cell.dp)
-        self.stats_group = stats_group
+                                  recipe.batch_norm, cell.m * cell.dp, self.stats_group)
+        # global BatchNorm: the forwards of a chunk meet at each BatchNorm (actors/globalnorm.py);
+        # layers holding one are not checkpointed (a recomputation would meet nobody)
+        self.together = recipe.batch_norm == "global" and bool(self.norms.modules)
+        self.unchecked = {id(layer) for part in self.parts.values() for layer in part
+                          if self.together and norms_of(layer)}
         self.portals = portals.Portals(cell.routes, self.parts, {vs: self.parts_range(vs) for vs in self.parts},
                                        cell.skips)
         self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
@@ -253,17 +261,19 @@ class StepRunner:
                 reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
         p = _Progress()
         self.norms.begin()
-        for a in c.actions:
-            g = c.mb0 + a.mb
-            self.norms.g = g
-            if a.kind == "F":
-                t0, t1 = self._forward(a, step, g, xs, ys, p)
-            elif a.kind == "B":
-                t0, t1 = self._backward(a, step, g, p)
+        for block in self._blocks():
+            if len(block) > 1:  # a chunk's forwards (or backwards) together: global BatchNorm
+                self.norms.g = c.mb0
+                spans = (self._forwards_together(block, step, xs, ys, p) if block[0].kind == "F"
+                         else self._backwards_together(block, step, p))
             else:
-                t0, t1 = self._weights(a, p)
-            p.busy += t1 - t0
-            p.timeline.append((f"{a.stage}{a.kind}{g}", t0, t1))  # global microbatch id
+                a = block[0]
+                g = self.norms.g = c.mb0 + a.mb
+                spans = [self._forward(a, step, g, xs, ys, p) if a.kind == "F" else
+                         self._backward(a, step, g, p) if a.kind == "B" else self._weights(a, p)]
+            for a, (t0, t1) in zip(block, spans):
+                p.busy += t1 - t0
+                p.timeline.append((f"{a.stage}{a.kind}{c.mb0 + a.mb}", t0, t1))  # global microbatch id
         with talking_to_peers(f"finishing the sends of step {step + 1}"):
             tr.finish_step()
         t_pipe = time.time()
@@ -276,7 +286,7 @@ class StepRunner:
         grad_sq, total = self._grad_norm(step)
         if self.norms.modules:
             with talking_to_peers(f"summing the BatchNorm statistics of step {step + 1} with the stage's replicas"):
-                self.norm_update = (self.norms, self.norms.reduce(self.stats_group if c.dp > 1 else None))
+                self.norm_update = (self.norms, self.norms.reduce(self.stats_group))
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
@@ -284,6 +294,77 @@ class StepRunner:
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total, "received": p.received}
+
+    def _blocks(self) -> list:
+        """The step's actions as they run: one at a time, or with global BatchNorm each run of
+        one chunk's forwards (its backwards) together (GPipe: all of them)."""
+        blocks: list = []
+        for a in self.cell.actions:
+            prev = blocks[-1][-1] if blocks else None
+            if self.together and prev is not None and (prev.kind, prev.stage) == (a.kind, a.stage) and a.kind in "FB":
+                blocks[-1].append(a)
+            else:
+                blocks.append([a])
+        return blocks
+
+    def _forwards_together(self, block: list, step: int, xs, ys, p: _Progress) -> list:
+        """A chunk's forwards of ``block``'s microbatches, meeting at each BatchNorm: each starts
+        as its input arrives, and its output goes on as soon as it ends.  Drawn on the timeline
+        one after another, each as long as it ran (they ran interleaved, a layer at a time)."""
+        c = self.cell
+        took: dict = {}
+
+        def finished(j: int, result) -> None:
+            a, (inp, received) = block[j], took.pop(j)
+            self._give_output(a, step, c.mb0 + a.mb, inp, result[0], received, result[1], p)
+
+        lock = Lockstep(self.norms.together, finished)
+        self.norms.lockstep = lock
+        start = None
+        try:
+            for j, a in enumerate(block):
+                g = c.mb0 + a.mb
+                took[j] = self._take_input(a, step, g, xs, p)
+                start = start or time.time()
+                lock.start(j, functools.partial(self._run_forward, a, *took[j], step, g, ys))
+            lock.go_on()
+        finally:
+            self.norms.lockstep = None
+            lock.abort()
+        spans, t = [], start
+        for j in range(len(block)):
+            spans.append((t, t + lock.busy.get(j, 0.0)))
+            t = spans[-1][1]
+        return spans
+
+    def _backwards_together(self, block: list, step: int, p: _Progress) -> list:
+        """One backward of a chunk for all of ``block``'s microbatches (their BatchNorm nodes hold
+        every microbatch), once every output gradient is there; drawn as equal parts."""
+        c, vs = self.cell, block[0].stage
+        outs, grads, done = [], [], []
+        for a in block:
+            g = c.mb0 + a.mb
+            inp, out, received, stashed = p.stash.pop((vs, a.mb))
+            grad = self._out_grad(a, step, g, p)
+            back = self._receive_skips(vs, step, g, "skipgrad", p)
+            outs += [out] + [x for k, x in stashed.items() if k in back]
+            grads += [grad] + [back[k] for k in stashed if k in back]
+            done.append((g, inp, received))
+        if self.reduce is not None and self.final in block:
+            with talking_to_peers("arming the gradient sum"):
+                self.reduce.arm()
+        t0 = time.time()
+        wanted = [(o, gr) for o, gr in zip(outs, grads) if o.requires_grad]
+        if wanted:
+            torch.autograd.backward([o for o, _ in wanted], [gr for _, gr in wanted])
+        t1 = time.time()
+        for g, inp, received in done:
+            p.live -= 1
+            if vs > 0 and inp.requires_grad:
+                self._send_grad(step, g, vs, inp, p)
+                self._send_skips(vs, step, g, "skipgrad", received, p)
+        part = (t1 - t0) / len(block)
+        return [(t0 + k * part, t0 + (k + 1) * part) for k in range(len(block))]
 
     def evaluate(self, step: int, xs: Optional[list], ys: Optional[list], batches: int,
                  aborted: Callable[[], bool]) -> dict:
@@ -382,12 +463,23 @@ class StepRunner:
             torch.random.default_generator.manual_seed(s)
             if cuda:
                 torch.cuda.manual_seed(s)
-            h = checkpoint(layer, h, use_reentrant=False) if self.recipe.checkpointing else layer(h)
+            if self.recipe.checkpointing and id(layer) not in self.unchecked:
+                h = checkpoint(layer, h, use_reentrant=False)
+            else:
+                h = layer(h)
         return h
 
     def _forward(self, a, step: int, g: int, xs, ys, p: _Progress) -> tuple[float, float]:
-        c, tr, vs = self.cell, self.tr, a.stage
-        last = vs == c.virtual - 1
+        inp, received = self._take_input(a, step, g, xs, p)
+        t0 = time.time()
+        out, stashed = self._run_forward(a, inp, received, step, g, ys)
+        t1 = time.time()
+        self._give_output(a, step, g, inp, out, received, stashed, p)
+        return t0, t1
+
+    def _take_input(self, a, step: int, g: int, xs, p: _Progress) -> tuple:
+        """A forward's input and the skips it pops (received, or handed over in memory)."""
+        c, vs = self.cell, a.stage
         if vs == 0:
             inp = xs[a.mb]
         else:
@@ -402,18 +494,27 @@ class StepRunner:
         for x in received.values():
             if x.is_floating_point():
                 x.requires_grad_()
-        t0 = time.time()
+        return inp, received
+
+    def _run_forward(self, a, inp: torch.Tensor, received: dict, step: int, g: int, ys) -> tuple:
+        """The chunk's layers (and the loss, on the last) on microbatch g: (output, skips stashed)."""
+        vs = a.stage
+        last = vs == self.cell.virtual - 1
         tracker = self.portals.tracker(received)
         with self._autocast(), skip.use_tracker(tracker):
             out = self._compute(vs, inp, step, g)
             if last:
                 out = self.loss_fn(out, ys[a.mb]) * self.scale
-        stashed = self.portals.stashed(vs, tracker)
+        if not last and out._is_view():  # a split backward detaches its output in place, which a view refuses
+            out = out.clone()
+        return out, self.portals.stashed(vs, tracker)
+
+    def _give_output(self, a, step: int, g: int, inp, out, received: dict, stashed: dict, p: _Progress) -> None:
+        """Keep what a forward's backward needs; send its output and the skips it stashed on."""
+        c, tr, vs = self.cell, self.tr, a.stage
+        last = vs == c.virtual - 1
         if last:
             p.loss_sum += out.detach().double().cpu()
-        elif out._is_view():  # a split backward detaches its output in place, which a view refuses
-            out = out.clone()
-        t1 = time.time()
         p.stash[(vs, a.mb)] = (inp, out, received, stashed)
         self._send_skips(vs, step, g, "skip", stashed, p)
         if not last:
@@ -425,7 +526,6 @@ class StepRunner:
                     tr.send_to(c.owner(vs + 1), step, "act", c.key(g, vs), out)
         p.live += 1
         p.peak = max(p.peak, p.live)
-        return t0, t1
 
     def _check_shape(self, out: torch.Tensor, g: int, vs: int) -> None:
         c = self.cell

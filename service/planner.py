@@ -33,7 +33,9 @@ between a forward and the backward that frees them (the W of split schedules), a
 one microbatch's activations of its whole share (``schedules.peak_activation_fraction``; 1F1B:
 pp - stage microbatches at most; GPipe: all m), each what autograd saves of its layers (traced),
 or with activation checkpointing only each layer's input, plus one layer's recomputation;
-checkpointing costs one more forward (compute x 4/3).
+checkpointing costs one more forward (compute x 4/3).  With ``training.batch_norm: global``
+(GPipe only) a stage holding a BatchNorm waits for all its microbatches there, forward and
+backward, which cuts the pipeline into segments run one after another (``gathered_units``).
 """
 from __future__ import annotations
 
@@ -64,6 +66,8 @@ class LayerFacts:
     checkpointing: bool = False       # training.activation_checkpointing: each layer recomputed in backward
     # skip connections (relaytrain.skip): (stashing layer, popping layer, bytes for one microbatch)
     skips: Sequence[tuple] = ()
+    # training.batch_norm: global: the layers holding a BatchNorm, where a stage waits for all its microbatches
+    gathers: frozenset = frozenset()
 
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
@@ -173,6 +177,8 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     where = schedules.placement(schedule)
     units, peaks = _plan_model(schedule, pp, m, chunks)
     bounds = partition.bounds(sizes)
+    if facts.gathers and schedule == "gpipe":
+        units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
     for rank in range(pp):
@@ -199,6 +205,22 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
             ar = max(ar, 2 * (dp - 1) * ALLREDUCE_LATENCY_S + 2 * (dp - 1) / dp * params / ALLREDUCE_BYTES_PER_S)
         mem = max(mem, params * slots_per_param + math.ceil(peaks[rank] * held) + recompute)
     return Shape(dp, pp, tuple(sizes), m, units * slot + ar, mem, chunks=chunks, placement=where)
+
+
+def gathered_units(m: int, gathers: Sequence[bool]) -> float:
+    """GPipe's makespan (units as ``_plan_model``'s) when the stages marked in ``gathers`` hold a
+    BatchNorm under ``training.batch_norm: global``: such a stage sends nothing on before all m
+    microbatches have reached it (and back: no input gradient before all m output gradients),
+    so it cuts the pipeline into segments that run one after another, each of L stages taking
+    m + L - 1 (a gathering stage is a segment of its own: m).  Without one: m + pp - 1."""
+    units, run = 0, 0
+    for g in gathers:
+        if g:
+            units += (m + run - 1 if run else 0) + m
+            run = 0
+        else:
+            run += 1
+    return float(units + (m + run - 1 if run else 0))
 
 
 def _check_chunks(schedule: str, chunks: int) -> None:

@@ -120,11 +120,14 @@ class TrainingSpec(_Strict):
     skip_nonfinite: bool = Field(
         False, description="skip (on every worker) a step whose gradient norm is inf or NaN, and go on; without it "
                            "such a step fails the job")
-    batch_norm: Literal["microbatch", "deferred"] = Field(
+    batch_norm: Literal["microbatch", "deferred", "global"] = Field(
         "deferred", description="BatchNorm layers normalise each microbatch with its own statistics; their running "
                                 "statistics move once per step with the whole global batch's ('deferred'), or once "
-                                "per microbatch in the step's global microbatch order ('microbatch'); identical on "
-                                "every replica either way")
+                                "per microbatch in the step's global microbatch order ('microbatch'); 'global': "
+                                "every sample is normalised with the whole global batch's statistics, forward and "
+                                "backward, as one process on the whole batch (needs schedule gpipe, its default "
+                                "then: a stage holding a BatchNorm waits for all its microbatches there); the "
+                                "buffers are identical on every replica in every mode")
 
     @model_validator(mode="after")
     def _divides(self):
@@ -276,6 +279,15 @@ class JobSpec(_Strict):
                 f"training.global_batch_size ({t.global_batch_size}) must be a multiple of "
                 f"parallelism.dp x training.microbatch_size ({p.dp} x {t.microbatch_size} = "
                 f"{p.dp * t.microbatch_size}): change the batch size, the microbatch size or dp")
+        if t.batch_norm == "global":
+            if "schedule" not in p.model_fields_set:
+                p.schedule = "gpipe"
+            elif p.schedule != "gpipe":
+                raise ValueError(
+                    f"training.batch_norm: global normalises every sample with the whole batch's statistics, so a "
+                    f"stage holding a BatchNorm must see all its microbatches there before any goes on, which "
+                    f"parallelism.schedule {p.schedule} does not allow: set schedule: gpipe (or leave it out), or "
+                    f"use batch_norm: deferred")
         w = self.optimizer.schedule.warmup_steps
         if w > t.steps:
             raise ValueError(f"optimizer.schedule.warmup_steps ({w}) is above training.steps ({t.steps}): the rate "

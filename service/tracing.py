@@ -27,6 +27,15 @@ REAL_RUN_MAX_BYTES = 64 * 2**20  # parameters a process may build for a moment t
 LAYER_OVERHEAD_S = 20e-6         # a layer's fixed cost per pass (Python and operator dispatch)
 
 
+def norms_of(part: nn.Module) -> list:
+    """The BatchNorm layers of ``part`` that keep running statistics (a subclass with a forward
+    of its own, such as SyncBatchNorm, is left alone): the ones ``training.batch_norm`` governs."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return [m for m in part.modules()
+            if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward and m.track_running_stats]
+
+
 @dataclass(frozen=True)
 class Trace:
     metas: list            # (shape, dtype) of each layer's output for one microbatch
@@ -37,6 +46,7 @@ class Trace:
     on_meta: bool          # False: the model was run for real (it has no meta kernels)
     saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
     skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
+    norms: frozenset = frozenset()  # layers holding a BatchNorm with running statistics (training.batch_norm)
 
 
 @dataclass(frozen=True)
@@ -200,7 +210,9 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
     if not isinstance(value, torch.Tensor) or value.dim() != 0:
         raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
-    return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved)
+    norms = frozenset(i for i in range(count) if norms_of(layers[i]))
+    return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,
+                 norms=norms)
 
 
 def _same(t):

@@ -38,6 +38,8 @@ from service import builtins
 from service.loading import Samples, build_data, build_loss, build_optimizer, forward_seed, import_object
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
+from service.tracing import norms_of
+from relaytrain import skip
 
 
 def build(spec: JobSpec, search=()) -> nn.Sequential:
@@ -101,7 +103,14 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
         idx = epoch_order(n, t.seed, e, t.shuffle)[s * b:(s + 1) * b]
         x, y = samples.batch(idx)
         opt.zero_grad()
-        if microbatched:
+        if microbatched and t.batch_norm == "global":
+            m = t.microbatch_size
+            with amp():
+                outs = forward_together(model, list(x.split(m)), t.activation_checkpointing, (t.seed, step))
+                loss = sum(loss_fn(o, yj) * (m / b) for o, yj in zip(outs, y.split(m)))
+            loss.backward()
+            loss = loss.detach()
+        elif microbatched:
             m, loss = t.microbatch_size, torch.zeros(())
             deferred_norms = _DeferredNorms(model) if t.batch_norm == "deferred" else None
             for j in range(0, b, m):
@@ -174,6 +183,23 @@ def forward(model: nn.Sequential, x: torch.Tensor, checkpointing: bool = False, 
             torch.manual_seed(forward_seed(*seeds, i))
         x = checkpoint(layer, x, use_reentrant=False) if checkpointing else layer(x)
     return x
+
+
+def forward_together(model: nn.Sequential, xs: list, checkpointing: bool, seeds: tuple) -> list:
+    """``training.batch_norm: global`` in one process: entry by entry, each microbatch j through
+    an entry after ``torch.manual_seed(forward_seed(seed, step, j, i))``, except that an entry
+    holding a BatchNorm runs once on all the microbatches concatenated (its BatchNorm sees the
+    whole batch; such an entry must have no randomness of its own here) and is not checkpointed."""
+    hs, trackers = list(xs), [skip.Tracker() for _ in xs]  # each microbatch's skips apart
+    for i, layer in enumerate(model):
+        if norms_of(layer):
+            hs = list(layer(torch.cat(hs)).split([h.shape[0] for h in hs]))
+            continue
+        for j, h in enumerate(hs):
+            torch.manual_seed(forward_seed(*seeds[:2], j, i))
+            with skip.use_tracker(trackers[j]):
+                hs[j] = checkpoint(layer, h, use_reentrant=False) if checkpointing else layer(h)
+    return hs
 
 
 def _autocast(spec: JobSpec, model: nn.Module):

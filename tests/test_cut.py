@@ -100,12 +100,78 @@ def test_batch_norm_modes_differ_and_a_resume_in_another_shape_carries_the_buffe
     assert not torch.allclose(other["params"]["2.running_var"], want["params"]["2.running_var"], rtol=1e-3)
 
 
-def test_a_batch_norm_mode_that_is_not_built_is_refused_with_the_modes_there_are():
+def test_a_batch_norm_mode_that_does_not_exist_is_refused_with_the_modes_there_are():
     from service.spec import SpecError
 
     with pytest.raises(SpecError) as e:
-        bn_spec(1, 1, "global")
-    assert "training.batch_norm: Input should be 'microbatch' or 'deferred'" in str(e.value)
+        bn_spec(1, 1, "sync")
+    assert "training.batch_norm: Input should be 'microbatch', 'deferred' or 'global'" in str(e.value)
+
+
+# ---- training.batch_norm: global (actors/globalnorm.py)
+
+def global_spec(dp, pp, builder="resnet_bn", steps=3, **over):
+    d = {
+        "name": f"bn-global-{builder}-{dp}x{pp}".replace("_", "-"),
+        "model": {"builder": f"userpkg.models:{builder}"},
+        "data": {"kind": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps, "seed": 4, "batch_norm": "global"},
+        "parallelism": {"dp": dp, "pp": pp, "partition": "uniform"},
+    }
+    for k, v in over.items():
+        d[k] = {**d.get(k, {}), **v}
+    return parse_spec(d)
+
+
+@pytest.mark.parametrize("dp, pp, checkpointing", [(1, 2, True), (2, 2, False)])
+def test_global_batch_norm_is_one_process_on_the_whole_batch(ray_session, tmp_path, dp, pp, checkpointing):
+    """A ResNet with BatchNorms inside the user's blocks: every sample normalised with the whole
+    global batch's statistics across microbatches and replicas, forward and backward, so the run
+    equals plain PyTorch on the whole batch at once (no microbatches at all).  Its stages hold
+    their microbatches at each BatchNorm, and the timeline still shows GPipe's actions in order."""
+    from service import timeline
+
+    spec = global_spec(dp, pp, training={"activation_checkpointing": checkpointing})
+    assert spec.parallelism.schedule == "gpipe"  # global's default schedule
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    # one forward and backward of the whole batch (without checkpointing, whose recomputation
+    # would move plain PyTorch's running statistics twice; relaytrain recomputes no BatchNorm)
+    want = reference.run(global_spec(dp, pp), search=[FIXTURES])
+    got = torch.load(tmp_path / "model.pt")
+    assert_same_params(got, want["params"])
+    assert int(got["2.bn1.num_batches_tracked"]) == 3 and len(buffers(got)) == 15
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-4)
+    shape = next(json.loads(x) for x in open(tmp_path / "events.jsonl") if json.loads(x)["type"] == "shape")
+    assert timeline.check(timeline.record(3, shape, final["timelines"][-1]["workers"])) == []
+    # and it is not what the microbatches' own statistics give
+    other = reference.run(global_spec(dp, pp, training={"batch_norm": "deferred"}), search=[FIXTURES], microbatched=True)
+    assert not torch.allclose(other["params"]["5.weight"], want["params"]["5.weight"], rtol=1e-3)
+
+
+@pytest.mark.parametrize("model, dp, pp, transport", [("cnn_bn", 2, 2, "collective"), ("unet", 1, 3, "object_store")])
+def test_global_batch_norm_with_dropout_and_skips(ray_session, tmp_path, model, dp, pp, transport):
+    """The CNN's dropout masks stay each microbatch's own (its BatchNorms see the whole batch);
+    the U-Net's bottleneck BatchNorm waits for every microbatch while both skips jump over it."""
+    spec = global_spec(dp, pp, model, parallelism={"transport": transport},
+                       **({"model": {"args": {"batch_norm": True}}} if model == "unet" else {}))
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)  # tests/reference.py forward_together
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-4)
+
+
+def test_global_batch_norm_refuses_a_schedule_that_cannot_wait_for_the_batch():
+    from service.spec import SpecError
+
+    with pytest.raises(SpecError) as e:
+        global_spec(1, 2, parallelism={"schedule": "1f1b"})
+    assert ("training.batch_norm: global normalises every sample with the whole batch's statistics, so a stage "
+            "holding a BatchNorm must see all its microbatches there before any goes on, which "
+            "parallelism.schedule 1f1b does not allow: set schedule: gpipe (or leave it out), or use batch_norm: "
+            "deferred") in str(e.value)
 
 
 # ---- skip connections across stages (portals)

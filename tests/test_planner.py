@@ -196,3 +196,20 @@ def test_a_portal_between_workers_costs_a_hop_and_the_poppers_memory():
     assert 2**20 < two_skip.memory_bytes <= 2**20 + two.memory_bytes
     one, one_skip = (model_shape(f, 1, 1, 4) for f in (plain, skip))
     assert one_skip.step_s == one.step_s and one_skip.memory_bytes == one.memory_bytes
+
+
+@pytest.mark.parametrize("gathers, units", [
+    ((), 8 + 4 - 1),                       # plain GPipe: m + pp - 1
+    ((0,), 8 + (8 + 3 - 1)),               # stage 0 gathers: it, then stages 1-3 as a pipeline
+    ((2,), (8 + 2 - 1) + 8 + 8),           # stages 0-1, then 2 alone, then 3 alone
+    ((0, 1, 2, 3), 4 * 8),                 # every stage gathers: no overlap at all
+])
+def test_global_batch_norm_cuts_gpipe_into_segments_that_run_one_after_another(gathers, units):
+    """training.batch_norm: global: a stage holding a BatchNorm (one layer per stage here) sends
+    nothing on until all m microbatches reached it, forward and backward."""
+    from service.planner import gathered_units
+
+    facts = LayerFacts([0.01] * 4, [1000] * 4, [4096] * 4, gathers=frozenset(gathers))
+    shape = model_shape(facts, 1, 4, 8, schedule="gpipe")
+    assert gathered_units(8, [i in gathers for i in range(4)]) == units
+    assert shape.step_s == pytest.approx(units * (0.01 + 2 * hop_seconds("collective", 4096)), rel=1e-9)
