@@ -60,11 +60,12 @@ class RunningStats:
     def together(self, i: int, xs: list) -> tuple:
         """Global mode: BatchNorm ``i`` on every microbatch of the step at once (and, with the
         stage's replicas, on theirs): its outputs, one per microbatch."""
-        from actors.globalnorm import GlobalNorm
+        from actors import globalnorm
 
-        m = self.modules[i]
-        self.record(i, torch.cat([x.detach() for x in xs]))
-        return GlobalNorm.apply(m.weight, m.bias, m.eps, self.group, *xs)
+        m, c = self.modules[i], self.modules[i].num_features
+        mine = globalnorm.sums(xs)
+        self.seen[(i, self.g)] = (mine[:c], mine[c:2 * c], int(mine[2 * c]))
+        return globalnorm.GlobalNorm.apply(m.weight, m.bias, m.eps, self.group, mine, *xs)
 
     def reduce(self, group) -> Optional[list]:
         """The step's updates, summed over the stage's replicas (``group``; None: one replica):

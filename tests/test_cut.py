@@ -64,7 +64,7 @@ def buffers(params: dict) -> dict:
 
 
 @pytest.mark.parametrize("mode, dp, pp, schedule", [
-    ("deferred", 1, 1, "1f1b"), ("deferred", 2, 1, "1f1b"), ("deferred", 1, 2, "gpipe"), ("deferred", 2, 2, "1f1b"),
+    ("deferred", 1, 1, "1f1b"), ("deferred", 1, 2, "gpipe"), ("deferred", 2, 2, "1f1b"),
     ("microbatch", 2, 1, "gpipe"), ("microbatch", 2, 2, "1f1b")])
 def test_batch_norm_buffers_equal_one_process_in_every_shape(ray_session, tmp_path, mode, dp, pp, schedule):
     """A CNN with BatchNorm2d and BatchNorm1d (one with momentum None): parameters, losses and
@@ -82,16 +82,18 @@ def test_batch_norm_buffers_equal_one_process_in_every_shape(ray_session, tmp_pa
     assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-4)
 
 
-def test_batch_norm_modes_differ_and_a_resume_in_another_shape_carries_the_buffers(ray_session, tmp_path):
-    """2x2 for 2 steps with a checkpoint, resumed at 1x2 (the stages' boundaries move): the
+@pytest.mark.parametrize("mode", ["deferred", "global"])
+def test_batch_norm_modes_differ_and_a_resume_in_another_shape_carries_the_buffers(ray_session, tmp_path, mode):
+    """2x2 for 2 steps with a checkpoint, resumed at 1x3 (the stages' boundaries move): the
     buffers come through the checkpoint and the run ends where one process ends."""
     from service import checkpoint
 
     ckpt = tmp_path / "ckpt"
-    first = bn_spec(2, 2, "deferred", steps=4, checkpoint={"every_steps": 2, "path": str(ckpt)})
+    schedule = "gpipe" if mode == "global" else "1f1b"
+    first = bn_spec(2, 2, mode, schedule, steps=4, checkpoint={"every_steps": 2, "path": str(ckpt)})
     run_job(spec=first, spec_dir=FIXTURES, out=str(tmp_path / "a"), progress=False, timeout=120)
     step2 = next(p for p in checkpoint.list_checkpoints(ckpt) if checkpoint.step_of(p) == 2)
-    second = bn_spec(1, 3, "deferred", steps=4, checkpoint={"every_steps": 0, "path": str(ckpt)})
+    second = bn_spec(1, 3, mode, schedule, steps=4, checkpoint={"every_steps": 0, "path": str(ckpt)})
     run_job(spec=second, spec_dir=FIXTURES, out=str(tmp_path / "b"), progress=False, timeout=120, resume=str(step2))
     want = reference.run(second, search=[FIXTURES], microbatched=True)
     assert_same_params(torch.load(tmp_path / "b" / "model.pt"), want["params"])

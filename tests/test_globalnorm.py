@@ -4,13 +4,14 @@ threads meet at each BatchNorm and keep their own dropout draws; what goes wrong
 from __future__ import annotations
 
 import copy
-import threading
+import time
 
 import pytest
 import torch
 from torch import nn
 
 from actors.batchnorm import RunningStats
+from actors import globalnorm
 from actors.globalnorm import GlobalNorm, Lockstep
 from service.tracing import norms_of
 
@@ -27,7 +28,7 @@ def test_the_joint_norm_is_pytorchs_on_the_whole_batch_forward_and_backward(make
     sizes = [2, 3, 1]  # microbatches of different sizes
     xs = [torch.randn(n, *shape[1:], requires_grad=True) for n in sizes]
     w = torch.randn(sum(sizes), *shape[1:])
-    ys = GlobalNorm.apply(bn.weight, bn.bias, bn.eps, None, *xs)
+    ys = GlobalNorm.apply(bn.weight, bn.bias, bn.eps, None, globalnorm.sums(xs), *xs)
     (torch.cat(ys) * w).sum().backward()
     got = [x.grad.clone() for x in xs], [q.grad.clone() for q in bn.parameters()]
 
@@ -96,15 +97,24 @@ def test_microbatches_meet_at_the_norm_and_keep_their_own_dropout_masks():
         torch.testing.assert_close(getattr(layer[1], name), getattr(ref[1], name), rtol=1e-5, atol=1e-7)
 
 
-def test_a_user_error_in_one_microbatch_is_raised_with_its_text_and_no_thread_is_left():
-    before = threading.active_count()
+def _all_idle():
+    """Every microbatch thread is back in the pool (none left waiting at a BatchNorm)."""
+    for _ in range(100):
+        kept, idle = globalnorm.pool()
+        if kept == idle:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_user_error_in_one_microbatch_is_raised_with_its_text_and_no_thread_is_left_waiting():
 
     def fail(j):
         if j == 2:
             raise ValueError("my layer refuses microbatch 2 (whatever it says: {braces}, 100%)")
     with pytest.raises(ValueError, match=r"my layer refuses microbatch 2 \(whatever it says: \{braces\}, 100%\)"):
         _run_together(_layer(), [torch.randn(3, 6) for _ in range(4)], [1, 2, 3, 4], fail)
-    assert threading.active_count() == before
+    assert _all_idle()
 
 
 def test_microbatches_that_take_different_paths_are_refused_saying_why():
@@ -117,7 +127,6 @@ def test_microbatches_that_take_different_paths_are_refused_saying_why():
             return self.bn(x) if x[0, 0] > 0 else x
 
     xs = [torch.full((2, 6), 1.0), torch.full((2, 6), -1.0), torch.full((2, 6), 1.0)]
-    before = threading.active_count()
     with pytest.raises(RuntimeError, match="global needs every microbatch to reach every BatchNorm"):
         _run_together(Sometimes(), xs, [0, 0, 0])
-    assert threading.active_count() == before
+    assert _all_idle()
