@@ -64,6 +64,12 @@ class _Abort(BaseException):
     """Ends a waiting microbatch thread when the step is given up."""
 
 
+def _work(x: torch.Tensor) -> torch.dtype:
+    """The dtype the elementwise work runs in: float32 for bf16 / fp16 inputs (as PyTorch's
+    BatchNorm computes them), else the input's."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
 def sums(xs: list) -> torch.Tensor:
     """Per channel, the sum and the sum of squares of every microbatch's input, then the count
     of values per channel (float64, 2C + 1)."""
@@ -72,6 +78,7 @@ def sums(xs: list) -> torch.Tensor:
     out = torch.zeros(2 * c + 1, dtype=torch.float64, device=xs[0].device)
     with torch.no_grad():
         for x in xs:
+            x = x.to(_work(x))  # bf16 under autocast: squared in float32
             out[:c] += x.sum(dims, dtype=torch.float64)
             out[c:2 * c] += (x * x).sum(dims, dtype=torch.float64)
             out[2 * c] += x.numel() // c
@@ -98,7 +105,8 @@ class GlobalNorm(torch.autograd.Function):
         invstd = (sums[c:2 * c] / n - mean * mean).clamp_min(0).add(eps).rsqrt()
         scale = invstd if weight is None else invstd * weight.double()
         shift = -mean * scale if bias is None else bias.double() - mean * scale
-        ys = [torch.addcmul(shift.to(x.dtype).view(shape), x, scale.to(x.dtype).view(shape)) for x in xs]
+        ys = [torch.addcmul(shift.to(_work(x)).view(shape), x.to(_work(x)), scale.to(_work(x)).view(shape)).to(x.dtype)
+              for x in xs]
         ctx.save_for_backward(weight, mean, invstd, *xs)
         ctx.meta = (dims, shape, c, n, group, bias is not None)
         return tuple(ys)
@@ -111,7 +119,7 @@ class GlobalNorm(torch.autograd.Function):
         for x, dy in zip(xs, dys):
             if dy is not None:
                 sums[:c] += dy.sum(dims, dtype=torch.float64)
-                sums[c:] += (dy * x).sum(dims, dtype=torch.float64)
+                sums[c:] += (dy.to(_work(x)) * x.to(_work(x))).sum(dims, dtype=torch.float64)
         # sum of dy * xhat = (sum of dy * x - mean * sum of dy) * invstd
         local = torch.cat([sums[:c], (sums[c:] - mean * sums[:c]) * invstd])
         if group is not None:  # the weight's and bias' gradients stay this replica's share (summed after)
@@ -126,10 +134,11 @@ class GlobalNorm(torch.autograd.Function):
         k3 = -k1 * mean_dy - k2 * mean
         dxs = []
         for x, dy in zip(xs, dys):
-            dx = torch.addcmul(k3.to(x.dtype).view(shape), x, k2.to(x.dtype).view(shape))
+            w = _work(x)
+            dx = torch.addcmul(k3.to(w).view(shape), x.to(w), k2.to(w).view(shape))
             if dy is not None:
-                dx.addcmul_(dy, k1.to(x.dtype).view(shape))
-            dxs.append(dx)
+                dx.addcmul_(dy.to(w), k1.to(w).view(shape))
+            dxs.append(dx.to(x.dtype))
         dw = local_share[c:].to(weight.dtype) if weight is not None else None
         db = local_share[:c].to(weight.dtype) if has_bias else None
         return (dw, db, None, None, None, *dxs)

@@ -44,6 +44,17 @@ def test_the_joint_norm_is_pytorchs_on_the_whole_batch_forward_and_backward(make
         torch.testing.assert_close(mine, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
+def test_under_bf16_the_joint_norm_returns_bf16_computed_in_float32():
+    """As PyTorch's BatchNorm under bf16 autocast: bf16 in, bf16 out, float32 arithmetic."""
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(8)
+    xs = [(torch.randn(4, 8) * 3 + 1).bfloat16() for _ in range(3)]
+    ys = GlobalNorm.apply(bn.weight, bn.bias, bn.eps, None, globalnorm.sums(xs), *xs)
+    assert all(y.dtype == torch.bfloat16 for y in ys)
+    want = bn(torch.cat(xs).float())
+    torch.testing.assert_close(torch.cat(ys).float(), want, rtol=1e-2, atol=1e-2)
+
+
 def _layer():
     """Linear, BatchNorm and Dropout in one user layer: the dropout after the BatchNorm."""
     torch.manual_seed(1)
