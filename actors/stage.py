@@ -248,6 +248,8 @@ class StepRunner:
         self.together = recipe.batch_norm == "global" and bool(self.norms.modules)
         self.unchecked = {id(layer) for part in self.parts.values() for layer in part
                           if self.together and norms_of(layer)}
+        # layers that stash or pop skips: recomputed with the pops of their first forward
+        self.skippers = {id(layer) for part in self.parts.values() for layer in part if skip.declarations(layer)}
         self.portals = portals.Portals(cell.routes, self.parts, {vs: self.parts_range(vs) for vs in self.parts},
                                        cell.skips)
         self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
@@ -464,7 +466,8 @@ class StepRunner:
             if cuda:
                 torch.cuda.manual_seed(s)
             if self.recipe.checkpointing and id(layer) not in self.unchecked:
-                h = checkpoint(layer, h, use_reentrant=False)
+                run = skip.recomputable(layer) if id(layer) in self.skippers else layer
+                h = checkpoint(run, h, use_reentrant=False)
             else:
                 h = layer(h)
         return h

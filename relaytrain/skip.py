@@ -35,7 +35,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from torch import nn
 
-__all__ = ["Namespace", "skippable", "stash", "pop", "SkipError", "layout", "Skip"]
+__all__ = ["Namespace", "skippable", "stash", "pop", "SkipError", "layout", "Skip", "recomputable"]
 
 
 class SkipError(ValueError):
@@ -120,6 +120,58 @@ def use_tracker(tracker: Tracker) -> Iterator[Tracker]:
         yield tracker
     finally:
         _local.tracker = before
+
+
+class _Recording(Tracker):
+    """The tracker of a forward that may be recomputed: saves and loads go to ``under``; what
+    was loaded is remembered for the recomputation."""
+
+    def __init__(self, under: Tracker) -> None:
+        super().__init__()
+        self.tensors, self.under, self.loaded = under.tensors, under, {}
+
+    def save(self, key: tuple, tensor) -> None:
+        self.under.save(key, tensor)
+
+    def load(self, key: tuple):
+        x = self.loaded[key] = self.under.load(key)
+        return x
+
+
+class _Replaying(Tracker):
+    """The tracker of a recomputation: each pop gets what the first forward popped, stashes are
+    dropped (the first forward's stashed tensors are the ones in the graph)."""
+
+    def __init__(self, loaded: dict) -> None:
+        super().__init__()
+        self.loaded = loaded
+
+    def save(self, key: tuple, tensor) -> None:
+        pass
+
+    def load(self, key: tuple):
+        return self.loaded[key]
+
+
+class recomputable:
+    """``checkpoint(recomputable(layer), x, use_reentrant=False)``: a skippable layer (or one
+    holding skippable modules) that activation checkpointing recomputes in backward.  Its first
+    call stashes and pops through the thread's tracker as usual; the recomputation pops the
+    same tensors again (their stashers are not recomputed first, and what they stashed was
+    popped already) and drops what it stashes."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer, self.loaded = layer, None
+
+    def __call__(self, *args, **kwargs):
+        if self.loaded is None:
+            rec = _Recording(current_tracker())
+            with use_tracker(rec):
+                out = self.layer(*args, **kwargs)
+            self.loaded = rec.loaded
+            return out
+        with use_tracker(_Replaying(self.loaded)):
+            return self.layer(*args, **kwargs)
 
 
 def skippable(stash: Iterable[str] = (), pop: Iterable[str] = ()):

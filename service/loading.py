@@ -441,12 +441,6 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     x, y = first_microbatch(spec, samples)
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
-    if t.skips and spec.training.activation_checkpointing:
-        s = t.skips[0]
-        raise SpecError(f"the model has skip connections (relaytrain.skip: {s.name!r} from layer {s.stasher} to layer "
-                        f"{s.popper}), which training.activation_checkpointing does not support yet (a layer "
-                        "recomputed in backward would pop a skip its stasher has not recomputed); turn "
-                        "activation_checkpointing off")
     return t
 
 

@@ -92,3 +92,32 @@ def test_a_layer_that_breaks_its_declaration_says_so_when_it_runs():
         Undeclared()(torch.zeros(1))
     with pytest.raises(SkipError, match="on both sides"):
         skippable(stash=["x"], pop=["x"])
+
+
+def test_activation_checkpointing_recomputes_skippable_layers_with_their_first_pops():
+    """Each entry of the U-Net checkpointed (recomputed in backward, last entry first): a plain
+    checkpoint fails, since the recomputed popper pops a skip already popped; wrapped in
+    ``recomputable`` it pops the same tensors again and the gradients are the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    from relaytrain.skip import recomputable
+
+    torch.manual_seed(0)
+    layers = [make() for make in models.unet()]
+    x = torch.randn(8, 64)
+
+    def grads(wrap):
+        for q in nn.ModuleList(layers).parameters():
+            q.grad = None
+        h = x
+        for layer in layers:
+            h = wrap(layer, h)
+        h.square().sum().backward()
+        return [q.grad.clone() for q in nn.ModuleList(layers).parameters()]
+
+    want = grads(lambda layer, h: layer(h))
+    got = grads(lambda layer, h: checkpoint(recomputable(layer), h, use_reentrant=False))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(SkipError, match="popped before anything stashed it"):
+        grads(lambda layer, h: checkpoint(layer, h, use_reentrant=False))
