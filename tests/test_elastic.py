@@ -223,6 +223,31 @@ def test_a_lost_node_moves_the_cut_between_a_stash_and_its_pop(cluster, tmp_path
     assert skips[0][2].get("skip") and skips[-1][1].get("skip")  # a portal into the last stage, both shapes
 
 
+def test_a_lost_replica_under_global_batch_norm_reshapes_and_equals_plain_pytorch(cluster, tmp_path):
+    """training.batch_norm: global at dp = 2: the replicas meet at every BatchNorm, forward and
+    backward; one replica's node dies mid-step, the other's meeting fails and the step is
+    discarded; the job goes on in a new shape.  Every step equals plain PyTorch on the whole
+    batch, and so do the BatchNorm buffers."""
+    with_nodes(cluster, 3)
+    resnet = {"builder": "userpkg.models:resnet_bn", "args": {"dtype": "float64"}}
+    d = elastic_spec("global-bn-lose", 2, 1, model=resnet, costs=[0.01, 0.01, 1, 10, 10, 0.01, 1, 0.1, 0.01, 0.1]
+                     ).model_dump(mode="json")
+    d["training"]["batch_norm"], d["parallelism"]["schedule"] = "global", "gpipe"
+    spec = parse_spec(d)
+    job = Job(spec, tmp_path, spec_dir=FIXTURES)
+    p = job.wait_step(5)
+    assert p["shape"]["dp"] == 2
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w1.0"]), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert result["state"] == "SUCCEEDED"
+    got, want = final_params(tmp_path), check_result(result, spec, search=[FIXTURES])
+    assert_same_params(got, want)
+    assert int(got["3.bn1.num_batches_tracked"]) == spec.training.steps
+    [reshape] = events(result, "reshape")
+    assert reshape["steps_lost"] <= 1 and "lost w1.0" in reshape["reason"]
+
+
 def test_node_added_mid_run_scales_up(cluster, tmp_path):
     with_nodes(cluster, 2)
     spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400, separate_activations=True,
