@@ -87,9 +87,10 @@ class CheckpointWriter:
                 self.known = self._scan.result(timeout=self.timeout)
             folder = checkpoint.begin(self.root, step, clean=step in self.known)
             self.known.add(step)
-            started = [g.workers[(0, s)].save_part.remote(str(folder), step) for s in range(g.shape.pp)]
+            first = [g.workers[(0, g.shape.slot(s))] for s in range(g.shape.pp)]  # replica 0 of each stage
+            started = [w.save_part.remote(str(folder), step) for w in first]
             ray.get(started, timeout=self.timeout)
-            refs = [g.workers[(0, s)].part_written.remote(step) for s in range(g.shape.pp)]
+            refs = [w.part_written.remote(step) for w in first]
         except Exception as e:
             self._failed(step, e)
             return

@@ -118,7 +118,7 @@ class JobController:
             self.group.gpus = self.group.gpus_per_worker()
             if not self.elastic and not self.group.workers:  # its workers start while the model is traced
                 p = self.spec.parallelism
-                early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pp)])
+                early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pipeline_workers)])
             self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
@@ -133,13 +133,7 @@ class JobController:
                 return self._wait(d, state.waited_since, lambda since: Starting(since), sit.slots)
             shape, why = d.shape, d.reason
         else:
-            p = self.spec.parallelism
-            sizes = partition.choose(p.partition, self.layers.facts.layers, p.virtual_stages,
-                                     self.layers.facts.seconds if self.layers.profiled else None)
-            shape = planner.model_shape(self.layers.facts, p.dp, p.pp, self.spec.microbatches, schedule=p.schedule,
-                                        transport=p.transport, optimizer=self.spec.optimizer.name,
-                                        partition_rule=list(sizes), chunks=p.chunks)
-            why = "the spec's shape"
+            shape, why = self._fixed_shape(early)
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
         try:
@@ -153,6 +147,21 @@ class JobController:
             self.record.event("resumed", f"resumed from {copy['path']} at step {start}", checkpoint=copy["path"],
                               step=start)
         return Running(start)
+
+    def _fixed_shape(self, early: dict) -> tuple:
+        """A fixed-shape job's shape: the spec's, or with ``parallelism.replicas: auto`` the
+        planner's fastest use of each pipeline's workers (workers started early for cells the
+        chosen shape lacks are stopped)."""
+        p, facts = self.spec.parallelism, self.layers.facts
+        model = dict(schedule=p.schedule, transport=p.transport, optimizer=self.spec.optimizer.name)
+        if p.replicas == "auto":
+            shape, why = planner.choose_replicas(facts, p.dp, p.pp, self.spec.microbatches, **model)
+            for c in [c for c in early if c not in shape.cells]:
+                self.group.stop_others([early.pop(c)])
+            return shape, why
+        sizes = partition.choose(p.partition, facts.layers, p.virtual_stages, facts.seconds if self.layers.profiled else None)
+        return planner.model_shape(facts, p.dp, p.pp, self.spec.microbatches, partition_rule=list(sizes),
+                                   chunks=p.chunks, replicas=p.replica_counts, **model), "the spec's shape"
 
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
                    joined: int = 0) -> policy.Situation:
@@ -250,6 +259,7 @@ class JobController:
         spec, rec, shape = self.spec, self.record, self.group.shape
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
+                          replicas=shape.replicas,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches, chunks=shape.chunks,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
                           lr=lr_at(spec, step + 1))

@@ -73,7 +73,7 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
     if max_gpus is not None:
         res["GPU"] = max(res.get("GPU", 0), max_gpus)
     # an elastic job starts as soon as its smallest shape fits
-    workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
+    workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pipeline_workers
     need_cpu = workers * spec.resources.cpus_per_worker
     if need_cpu > res.get("CPU", 0):
         raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "

@@ -28,7 +28,8 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
     """The pre-flight check (service/loading.py) and what it traced."""
     p = spec.parallelism
     t = preflight(spec, search)
-    profiled = spec.elastic.enabled or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
+    profiled = (spec.elastic.enabled or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
+                or p.replicas == "auto")
     if p.layer_costs_ms:
         seconds = [c / 1000.0 for c in p.layer_costs_ms]
     elif profiled:

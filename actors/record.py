@@ -15,6 +15,7 @@ from actors.metrics import JobMetrics
 from actors.output import OutputTap
 from actors.store_sink import StoreSink
 from service import partition, schedules, timeline
+from service import replicas as rp
 from service.states import JobState
 
 
@@ -97,6 +98,8 @@ class JobRecord:
                 "transport": p.transport, "microbatches": spec.microbatches,
                 "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
                 "workers": workers}
+        if shape.replicas:  # workers per stage (replicated stages)
+            info["replicas"] = list(shape.replicas)
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
         bounds = partition.bounds(shape.sizes)
@@ -105,7 +108,8 @@ class JobRecord:
             info["portals"] = [q for q in portals if q[0] != q[1]]
         self.set_shape(info)
         per = "stage" if shape.chunks == 1 else f"model chunk ({shape.chunks} per worker)"
-        self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}, layers per {per} {list(shape.sizes)}, "
+        reps = f", workers per stage {list(shape.replicas)}" if shape.replicas else ""
+        self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}{reps}, layers per {per} {list(shape.sizes)}, "
                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
                    f"transport {p.transport} ({why})", **info, reason=why, layer_costs_s=costs)
 
@@ -167,23 +171,30 @@ def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1) -> float:
 
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
                 microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
-                chunks: int = 1) -> dict:
-    """The metrics row of committed step ``step + 1`` from every worker's step result."""
+                chunks: int = 1, replicas: tuple = ()) -> dict:
+    """The metrics row of committed step ``step + 1`` from every worker's step result (keyed
+    (dp rank, slot): with ``replicas``, a pipeline's workers are numbered stage by stage)."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
     skipped = any(s.get("skipped") for s in stats.values())
+    reps = tuple(replicas) or (1,) * pp
+    width = sum(reps)
+    of_stage = [[rp.slot_of(reps, s, j) for j in range(reps[s])] for s in range(pp)]  # each stage's slots
     utils = []
     for r in range(dp):
-        cells = [stats[(r, s)] for s in range(pp)]
+        cells = [stats[(r, s)] for s in range(width)]
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
-        utils.append(sum(c["busy"] for c in cells) / (pp * span) if span > 0 else 1.0)
-    ideal = plan_bubble(schedule, pp, microbatches // dp, chunks)
+        utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
+    ideal = (float(rp.plan(schedule, replicas, microbatches // dp).bubble) if replicas
+             else plan_bubble(schedule, pp, microbatches // dp, chunks))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
-            "peak_live": [max(stats[(r, s)]["peak_live"] for r in range(dp)) for s in range(pp)],
-            # bytes each worker of replica 0 received from other workers, by kind (act, grad, skip, skipgrad)
-            "received_bytes": [dict(stats[(0, s)].get("received", {})) for s in range(pp)],
+            "peak_live": [max(stats[(r, t)]["peak_live"] for r in range(dp) for t in slots) for slots in of_stage],
+            # bytes the first worker of each stage of replica 0 received from other workers, by kind
+            # (act, grad, skip, skipgrad)
+            "received_bytes": [dict(stats[(0, slots[0])].get("received", {})) for slots in of_stage],
+            **({"replicas": list(replicas)} if replicas else {}),
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
             **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {}),

@@ -167,7 +167,7 @@ class Reshaper:
         not in ``assign`` get new workers.  Layers a worker lacks come from ``donors`` or, for
         ``copy_layers`` (every layer when None and ``copy`` is given), from ``copy``."""
         g = self.group
-        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
+        cells = shape.cells
         spawned = g.spawn([c for c in cells if c not in assign])
         try:
             if spawned:
@@ -186,8 +186,8 @@ class Reshaper:
 
     def assign(self, shape: planner.Shape, keep: dict) -> dict:
         """Give kept workers the cells whose layers they already hold (most overlap first)."""
-        cells = [(r, s) for r in range(shape.dp) for s in range(shape.pp)]
-        mine = {s: shape.layers_of(s) for s in range(shape.pp)}
+        cells = shape.cells
+        mine = {s: shape.layers_of(s) for s in range(shape.width)}
         pairs = []
         for i, (c, h) in enumerate(keep.items()):
             held = self.group.layers_of(c)

@@ -63,6 +63,7 @@ from actors import deferred, portals
 from actors.batchnorm import RunningStats
 from actors.failures import StageAborted, talking_to_peers
 from actors.globalnorm import Lockstep
+from service import replicas as replicas_
 from service import schedules
 from service.loading import forward_seed
 from service.tracing import norms_of
@@ -124,6 +125,32 @@ class Cell:
     receives: list = field(default_factory=list)  # the step's receives, in the order its actions take them
     routes: tuple = ()                # skips that cross chunks (actors/portals.py), of the whole pipeline
     skips: int = 0                    # the model's skips (crossing chunks or not)
+    replicas: tuple = ()              # workers per stage (service/replicas.py); (): one each
+    rep: int = 0                      # which replica of its stage this worker is
+    slot: int = -1                    # its index among its pipeline's workers (pp_rank without replicas)
+
+    @property
+    def index(self) -> int:
+        """Its index in its pipeline's row of workers (the slot)."""
+        return self.pp_rank if self.slot < 0 else self.slot
+
+    @property
+    def width(self) -> int:
+        """Workers of its pipeline."""
+        return sum(self.replicas) if self.replicas else self.pp
+
+    def peer(self, vs: int, g: int) -> int:
+        """The worker (index in the pipeline's row) that runs virtual stage ``vs`` for global
+        microbatch ``g`` (evaluation microbatches too): the stage's owner, or with replicated
+        stages its replica ``replicas.replica_of`` names."""
+        s = self.owner(vs)
+        if not self.replicas:
+            return s
+        return replicas_.slot_of(self.replicas, s, replicas_.replica_of(g - self.mb0, self.replicas[s]))
+
+    def mine(self, g: int) -> bool:
+        """Does this worker run its stage's actions for global microbatch ``g``?"""
+        return not self.replicas or self.peer(self.chunks[0], g) == self.index
 
     @property
     def layers(self) -> tuple[int, int]:
@@ -166,21 +193,31 @@ class Cell:
         bounds = cfg["bounds"]
         boundary = tuple(_meta(b) if i < V - 1 else None for i, b in enumerate(cfg["boundary"]))
         skips = cfg.get("skips", [])
+        reps = tuple(cfg.get("replicas") or ())
+        reps = reps if any(k > 1 for k in reps) else ()
+        slot = cfg.get("slot", s)
+        if reps:  # replicated stages: this worker's list of its pipeline's step (service/replicas.py)
+            s, rep = replicas_.stage_of(reps, slot)
+            mine = (s,)
+            actions = list(replicas_.plan(name, reps, m).order[slot])
+        else:
+            rep, actions = 0, list(plan.order[s])
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
-                   list(plan.order[s]), boundary, V, where, name in schedules.SPLIT,
-                   routes=portals.routes(skips, bounds), skips=len(skips))
+                   actions, boundary, V, where, name in schedules.SPLIT,
+                   routes=portals.routes(skips, bounds), skips=len(skips), replicas=reps, rep=rep,
+                   slot=slot if reps else -1)
         for a in cell.actions:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
-                cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.owner(a.stage - 1)))
+                cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.peer(a.stage - 1, g)))
             elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1):
-                cell.receives.append(("grad", cell.key(g, a.stage), boundary[a.stage], cell.owner(a.stage + 1)))
+                cell.receives.append(("grad", cell.key(g, a.stage), boundary[a.stage], cell.peer(a.stage + 1, g)))
             # then the skips this action pops (F) or whose gradients it needs (B), in route order
             for rt in cell.routes:
                 if a.kind == "F" and rt.dst == a.stage and not cell.local(rt.src):
-                    cell.receives.append(("skip", g * cell.skips + rt.k, rt.meta, cell.owner(rt.src)))
+                    cell.receives.append(("skip", g * cell.skips + rt.k, rt.meta, cell.peer(rt.src, g)))
                 elif a.kind == "B" and rt.src == a.stage and not cell.local(rt.dst) and rt.differentiable:
-                    cell.receives.append(("skipgrad", g * cell.skips + rt.k, rt.meta, cell.owner(rt.dst)))
+                    cell.receives.append(("skipgrad", g * cell.skips + rt.k, rt.meta, cell.peer(rt.dst, g)))
         return cell
 
 
@@ -228,7 +265,7 @@ class StepRunner:
         # the parameters whose gradients count in the model's norm: a tie's copies but its first
         # name's are left out (one parameter), and only replica 0 counts (the replicas agree)
         self.norm_params = (norm_params if norm_params is not None else list(stage.parameters())) \
-            if cell.dp_rank == 0 else []
+            if cell.dp_rank == 0 and cell.rep == 0 else []
         # the action after which this step's weight gradients are final (the gradient sum is armed before it)
         grads = [a for a in cell.actions if a.kind == ("W" if cell.split else "B")]
         self.final = grads[-1] if grads else None
@@ -240,7 +277,8 @@ class StepRunner:
             deferred.uninstall(part)
             if cell.split and not recipe.bf16 and deferred.install(part, self.pending):
                 self.deferred.add(vs)
-        self.stats_group = stats_group if cell.dp > 1 else None
+        sharers = cell.dp * (cell.replicas[cell.pp_rank] if cell.replicas else 1)  # workers of this stage
+        self.stats_group = stats_group if sharers > 1 else None
         self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
                                   recipe.batch_norm, cell.m * cell.dp, self.stats_group)
         # global BatchNorm: the forwards of a chunk meet at each BatchNorm (actors/globalnorm.py);
@@ -292,7 +330,7 @@ class StepRunner:
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
-        return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "loss": float(p.loss_sum) if c.last else None,
+        return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "rep": c.rep, "loss": float(p.loss_sum) if c.last else None,
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total, "received": p.received}
@@ -379,10 +417,10 @@ class StepRunner:
         ids = [b * m * c.dp + c.mb0 + j for b in range(batches) for j in range(m)]  # global eval microbatches
         expected = []
         for vs in c.chunks:
-            for g in ids:
+            for g in filter(c.mine, ids):
                 if vs > 0 and not c.local(vs - 1):
-                    expected.append(("eval", c.key(g, vs - 1), c.boundary[vs - 1], c.owner(vs - 1)))
-                expected += [("evalskip", self.portals.key(g, r), r.meta, c.owner(r.src))
+                    expected.append(("eval", c.key(g, vs - 1), c.boundary[vs - 1], c.peer(vs - 1, g)))
+                expected += [("evalskip", self.portals.key(g, r), r.meta, c.peer(r.src, g))
                              for r in self.portals.into[vs] if not c.local(r.src)]
         with talking_to_peers(f"starting the evaluation after step {step}"):
             tr.begin_step(step, expected)
@@ -394,6 +432,8 @@ class StepRunner:
             with torch.no_grad():
                 for vs in c.chunks:
                     for k, g in enumerate(ids):
+                        if not c.mine(g):  # another replica of this stage evaluates it
+                            continue
                         b, j = divmod(k, m)
                         if vs == 0:
                             inp = xs[b][j]
@@ -401,7 +441,7 @@ class StepRunner:
                             inp = handed.pop((vs - 1, g))
                         else:
                             with talking_to_peers(f"receiving the evaluation activation of microbatch {g}"):
-                                inp = tr.recv_from(c.owner(vs - 1), step, "eval", c.key(g, vs - 1), c.boundary[vs - 1])
+                                inp = tr.recv_from(c.peer(vs - 1, g), step, "eval", c.key(g, vs - 1), c.boundary[vs - 1])
                         received = self._receive_skips(vs, step, g, "evalskip", skips)
                         tracker = self.portals.tracker(received)
                         t0 = time.time()
@@ -419,7 +459,7 @@ class StepRunner:
                             handed[(vs, g)] = out
                         else:
                             with talking_to_peers(f"sending the evaluation activation of microbatch {g}"):
-                                tr.send_to(c.owner(vs + 1), step, "eval", c.key(g, vs), out)
+                                tr.send_to(c.peer(vs + 1, g), step, "eval", c.key(g, vs), out)
             with talking_to_peers(f"finishing the sends of the evaluation after step {step}"):
                 tr.finish_step()
         finally:
@@ -490,7 +530,7 @@ class StepRunner:
                 inp = p.handed.pop(("act", c.key(g, vs - 1))).detach()
             else:
                 with talking_to_peers(f"receiving the activation of microbatch {g}"):
-                    inp = self._recv(p, c.owner(vs - 1), step, "act", c.key(g, vs - 1), c.boundary[vs - 1])
+                    inp = self._recv(p, c.peer(vs - 1, g), step, "act", c.key(g, vs - 1), c.boundary[vs - 1])
             if inp.is_floating_point():
                 inp.requires_grad_()
         received = self._receive_skips(vs, step, g, "skip", p)
@@ -526,7 +566,7 @@ class StepRunner:
                 p.handed[("act", c.key(g, vs))] = out
             else:
                 with talking_to_peers(f"sending the activation of microbatch {g}"):
-                    tr.send_to(c.owner(vs + 1), step, "act", c.key(g, vs), out)
+                    tr.send_to(c.peer(vs + 1, g), step, "act", c.key(g, vs), out)
         p.live += 1
         p.peak = max(p.peak, p.live)
 
@@ -554,7 +594,7 @@ class StepRunner:
         if c.local(vs + 1):
             return p.handed.pop(("grad", c.key(g, vs)))
         with talking_to_peers(f"receiving the gradient of microbatch {g}"):
-            return self._recv(p, c.owner(vs + 1), step, "grad", c.key(g, vs), c.boundary[vs])
+            return self._recv(p, c.peer(vs + 1, g), step, "grad", c.key(g, vs), c.boundary[vs])
 
     def _backward(self, a, step: int, g: int, p: _Progress) -> tuple[float, float]:
         """B: the gradient of the chunk's input (sent on as soon as it is known); in a schedule
@@ -651,7 +691,7 @@ class StepRunner:
                     got[r.k] = got[r.k].detach()
             else:
                 with talking_to_peers(f"receiving {'the gradient of ' if back else ''}skip {r.name!r} of microbatch {g}"):
-                    got[r.k] = self._recv(p, c.owner(other), step, kind, self.portals.key(g, r), r.meta)
+                    got[r.k] = self._recv(p, c.peer(other, g), step, kind, self.portals.key(g, r), r.meta)
         return got
 
     def _send_skips(self, vs: int, step: int, g: int, kind: str, tensors: dict, p: _Progress) -> None:
@@ -670,7 +710,7 @@ class StepRunner:
                 p.handed[(kind, r.k, g)] = x
             else:
                 with talking_to_peers(f"sending {'the gradient of ' if back else ''}skip {r.name!r} of microbatch {g}"):
-                    self.tr.send_to(c.owner(other), step, kind, self.portals.key(g, r), x)
+                    self.tr.send_to(c.peer(other, g), step, kind, self.portals.key(g, r), x)
 
     def _send_grad(self, step: int, g: int, vs: int, inp: torch.Tensor, p: _Progress) -> None:
         c = self.cell
@@ -679,4 +719,4 @@ class StepRunner:
             p.handed[("grad", c.key(g, vs - 1))] = grad
             return
         with talking_to_peers(f"sending the gradient of microbatch {g}"):
-            self.tr.send_to(c.owner(vs - 1), step, "grad", c.key(g, vs - 1), grad)
+            self.tr.send_to(c.peer(vs - 1, g), step, "grad", c.key(g, vs - 1), grad)

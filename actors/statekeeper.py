@@ -52,7 +52,7 @@ class StateKeeper:
         out = {}
         for vs, (lo, hi) in enumerate(g.shape.bounds):
             s = g.shape.owner(vs)
-            nodes = {g.node_of((r, s)) for r in range(g.shape.dp)}
+            nodes = {g.node_of((r, g.shape.slot(s, j))) for r in range(g.shape.dp) for j in range(g.shape.reps[s])}
             others = sorted((c for c in g.workers if g.node_of(c) not in nodes), key=lambda c: (load[c], c))
             out[vs] = others[0] if others else None
             if others:
@@ -73,7 +73,7 @@ class StateKeeper:
         calls = {}
         for vs, holder in self._holders().items():
             lo, hi = g.shape.bounds[vs]
-            source = g.workers[(0, g.shape.owner(vs))]
+            source = g.workers[(0, g.shape.slot(g.shape.owner(vs)))]
             if holder is None:
                 calls[(lo, hi)] = [(None, source.snapshot.remote(committed, False, (lo, hi)))]
             else:  # the peer keeps it, and so does the source until a newer copy is complete
@@ -132,8 +132,8 @@ class StateKeeper:
         if self.complete is not None and self.complete >= wanted:
             return True
         g = self.group
-        calls = {(lo, hi): [(None, g.workers[(r, g.shape.owner(vs))].snapshot.remote(wanted, False, (lo, hi)))
-                            for r in range(g.shape.dp)]
+        calls = {(lo, hi): [(None, g.workers[(r, g.shape.slot(g.shape.owner(vs)))].snapshot.remote(
+                             wanted, False, (lo, hi))) for r in range(g.shape.dp)]
                  for vs, (lo, hi) in enumerate(g.shape.bounds)}
         return self._fetch(wanted, calls, time.monotonic(), timeout=3.0)
 
@@ -189,9 +189,10 @@ class StateKeeper:
     def _from_stages(self, method: str, committed: int, *args) -> list:
         """``method`` of replica 0's worker of every stage, in stage order."""
         g = self.group
-        out = g.gather({(0, s): getattr(g.workers[(0, s)], method).remote(*args) for s in range(g.shape.pp)},
+        first = [(0, g.shape.slot(s)) for s in range(g.shape.pp)]  # replica 0 of each stage
+        out = g.gather({c: getattr(g.workers[c], method).remote(*args) for c in first},
                        None, self.timeout, phase=f"while writing its state at step {committed}")
-        return [out[(0, s)] for s in range(g.shape.pp)]
+        return [out[c] for c in first]
 
     def write_final(self, committed: int, out: dict) -> dict:
         """Every stage writes its shard of the final model (service/shards.py) where ``out``

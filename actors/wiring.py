@@ -47,23 +47,30 @@ class Wiring:
         self.leave()
         if rdzv is not None:
             backend = "nccl" if device.type == "cuda" else "gloo"
-            self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.pp + c.pp_rank, world, timeout)
-            if c.dp > 1:
+            self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.width + c.index, world, timeout)
+            if c.dp > 1 or c.replicas:
                 self.buckets = self._stage_reducer(c, stage, device, node, tag)
         if transport == "collective":
-            self.transport = CollectiveTransport([c.dp_rank * c.pp + s for s in range(c.pp)], c.pp_rank, device)
+            self.transport = CollectiveTransport([c.dp_rank * c.width + s for s in range(c.width)], c.index, device)
         else:
-            self.transport = ObjectStoreTransport(inbox, row, c.pp_rank, device, timeout, c.gen)
+            self.transport = ObjectStoreTransport(inbox, row, c.index, device, timeout, c.gen)
 
-    def _stage_reducer(self, c: Cell, stage, device, node: str, tag: str) -> GradientReducer:
-        """The sum of the stage's gradients over its replicas: shared memory on one node, else
-        gloo / NCCL buckets.  Every rank creates every stage's group, in the same order."""
+    def _stage_reducer(self, c: Cell, stage, device, node: str, tag: str) -> Optional[GradientReducer]:
+        """The sum of the stage's gradients over its workers (data-parallel replicas, and the
+        replicas of a replicated stage): shared memory on one node, else gloo / NCCL buckets.
+        Every rank creates every stage's group, in the same order."""
+        reps = c.replicas or (1,) * c.pp
         for s in range(c.pp):
-            g = self.group.new_group([r * c.pp + s for r in range(c.dp)])
+            first = sum(reps[:s])
+            g = self.group.new_group([r * c.width + first + j for r in range(c.dp) for j in range(reps[s])])
             if s == c.pp_rank:
                 self.stage_group = g
+        n = c.dp * reps[c.pp_rank]
+        if n == 1:
+            return None
         params = list(stage.parameters())
-        shm = SharedMemorySum.create(params, self.stage_group, c.dp_rank, c.dp, node, tag) if _SHM else None
+        index = c.dp_rank * reps[c.pp_rank] + c.rep
+        shm = SharedMemorySum.create(params, self.stage_group, index, n, node, tag) if _SHM else None
         if shm is not None:
             return shm
         overlap = device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"

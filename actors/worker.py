@@ -95,7 +95,9 @@ class StageWorker:
     def __repr__(self) -> str:
         if self.cell is None:  # started for a scale-up or a new shape, before it took a cell
             return f"relaytrain:{self.job_id}: a joining worker (pid {os.getpid()}, no cell yet)"
-        return f"relaytrain:{self.job_id}:w{self.cell.dp_rank}.{self.cell.pp_rank}"
+        c = self.cell
+        return f"relaytrain:{self.job_id}:w{c.dp_rank}.{c.index}" + (f" (stage {c.pp_rank} replica {c.rep})"
+                                                                     if c.replicas else "")
 
     # ---------------------------------------------------------------- commits
 
@@ -360,8 +362,15 @@ class StageWorker:
         copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
         norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
         holder = {i: c.owner(vs) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
+        ties = TiedGrads(self.recipe.tied, self.stage, holder, c.pp_rank)
+        if c.replicas and any(len(h.stages) > 1 and any(c.replicas[s] > 1 for s in h.stages) for h in ties.held):
+            raise ValueError(
+                "the model ties parameters across pipeline stages (e.g. a token embedding and the output head) and "
+                f"a stage holding them is replicated (parallelism.replicas {list(c.replicas)}): relaytrain does not "
+                "sum a tie's gradients between replicated stages yet; give those stages 1 replica, or cut the "
+                "model so that the tied layers share a stage")
         self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
-                                 self.mbs / self.B, TiedGrads(self.recipe.tied, self.stage, holder, c.pp_rank),
+                                 self.mbs / self.B, ties,
                                  recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)
         return True
 

@@ -56,7 +56,7 @@ class WorkerGroup:
         g = self.spec.resources.gpus_per_worker
         if g is not None:
             return g
-        workers = self.spec.elastic.min_workers if self.elastic else self.spec.parallelism.dp * self.spec.parallelism.pp
+        workers = self.spec.elastic.min_workers if self.elastic else self.spec.parallelism.dp * self.spec.parallelism.pipeline_workers
         return 1.0 if ray.cluster_resources().get("GPU", 0) >= workers else 0.0
 
     def spawn(self, cells: list, actor_names: Optional[list[str]] = None) -> dict:
@@ -153,9 +153,9 @@ class WorkerGroup:
         p = self.spec.parallelism
         self.gen += 1
         calls = {(r, s): h.configure.remote(
-            {"gen": self.gen, "dp_rank": r, "pp_rank": s, "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds,
-             "boundary": boundary, "schedule": p.schedule, "chunks": shape.chunks, "committed": committed,
-             "skips": self.skips}, sources.get((r, s), []))
+            {"gen": self.gen, "dp_rank": r, "pp_rank": shape.stage_of(s), "slot": s, "replicas": list(shape.replicas),
+             "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds, "boundary": boundary, "schedule": p.schedule,
+             "chunks": shape.chunks, "committed": committed, "skips": self.skips}, sources.get((r, s), []))
             for (r, s), h in assign.items()}
         phase = "while taking its cell" if self.gen > 1 else "while starting"
         t0 = time.time()
@@ -170,9 +170,10 @@ class WorkerGroup:
 
     def _connect(self, shape: planner.Shape, phase: str) -> None:
         p = self.spec.parallelism
-        need_group = p.transport == "collective" or shape.dp > 1 or needs_global_norm(self.spec)
+        need_group = (p.transport == "collective" or shape.dp > 1 or bool(shape.replicas)
+                      or needs_global_norm(self.spec))
         rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
-        conns = {(r, s): w.connect.remote(p.transport, tuple(self.workers[(r, t)] for t in range(shape.pp)),
+        conns = {(r, s): w.connect.remote(p.transport, tuple(self.workers[(r, t)] for t in range(shape.width)),
                                           rdzv, shape.workers)
                  for (r, s), w in self.workers.items()}
         self.gather(conns, None, self.start_timeout, phase)

@@ -39,7 +39,7 @@ PREEMPT_AGAIN_S = 60.0   # a preemption that did not happen (its checkpoint fail
 def demand(job: dict, spec: JobSpec, workers: int) -> fairshare.JobDemand:
     """What the policy needs of one job (``workers``: what it holds now; 0 when queued)."""
     p, e = spec.parallelism, spec.elastic
-    size = p.dp * p.pp
+    size = p.dp * p.pipeline_workers
     lo, hi = (e.min_workers, e.max_workers) if e.enabled else (size, size)
     usable = (job.get("shape") or {}).get("usable_workers")
     return fairshare.JobDemand(
@@ -82,7 +82,7 @@ class ClusterScheduler:
         if job["id"] in self.allotted:
             return self.allotted[job["id"]]
         spec = spec or JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed
-        return spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pp
+        return spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pipeline_workers
 
     def _demands(self) -> list[tuple[dict, JobSpec, fairshare.JobDemand]]:
         """The active jobs, each with its spec (read once) and what it asks for; a job whose spec

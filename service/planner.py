@@ -46,6 +46,7 @@ from fractions import Fraction
 from typing import Optional, Sequence, Union
 
 from service import partition, schedules
+from service import replicas as replicas_
 
 # seconds = latency + bytes * per_byte, measured between two actors on one machine
 HOP_COST = {"object_store": (3.0e-3, 8.0e-3 / 2**20), "collective": (0.3e-3, 0.55e-3 / 2**20)}
@@ -100,6 +101,29 @@ class Shape:
     memory_bytes: int                  # modelled peak bytes of the fullest worker
     chunks: int = 1                    # model chunks per worker (parallelism.stages_per_worker)
     placement: str = "loop"            # how chunks sit on workers (service/schedules.py: placement)
+    replicas: tuple[int, ...] = ()     # workers per stage (parallelism.replicas); (): one each
+
+    @property
+    def reps(self) -> tuple[int, ...]:
+        """Workers per stage (1 each when no stage is replicated)."""
+        return self.replicas or (1,) * self.pp
+
+    @property
+    def width(self) -> int:
+        """Workers (slots) of one pipeline: pp, or sum(replicas)."""
+        return sum(self.reps)
+
+    def slot(self, stage: int, rep: int = 0) -> int:
+        """The slot (a pipeline's worker index) of replica ``rep`` of ``stage``."""
+        return replicas_.slot_of(self.reps, stage, rep)
+
+    def stage_of(self, slot: int) -> int:
+        return replicas_.stage_of(self.reps, slot)[0]
+
+    @property
+    def cells(self) -> list[tuple[int, int]]:
+        """Every worker's (dp rank, slot)."""
+        return [(r, s) for r in range(self.dp) for s in range(self.width)]
 
     @property
     def virtual(self) -> int:
@@ -110,28 +134,28 @@ class Shape:
         """The pipeline rank that holds virtual stage ``vs``."""
         return schedules.owner(vs, self.pp, self.placement)
 
-    def ranges(self, rank: int) -> list[tuple[int, int]]:
-        """[lo, hi) of each model chunk pipeline rank ``rank`` holds, in model order."""
+    def ranges(self, slot: int) -> list[tuple[int, int]]:
+        """[lo, hi) of each model chunk the worker of ``slot`` holds (its stage's), in model order."""
         b = self.bounds
-        return [b[vs] for vs in schedules.chunks_of(rank, self.pp, self.chunks, self.placement)]
+        return [b[vs] for vs in schedules.chunks_of(self.stage_of(slot), self.pp, self.chunks, self.placement)]
 
     @property
     def layers(self) -> int:
         return sum(self.sizes)
 
-    def layers_of(self, rank: int) -> set[int]:
-        return {i for lo, hi in self.ranges(rank) for i in range(lo, hi)}
+    def layers_of(self, slot: int) -> set[int]:
+        return {i for lo, hi in self.ranges(slot) for i in range(lo, hi)}
 
     @property
     def workers(self) -> int:
-        return self.dp * self.pp
+        return self.dp * self.width
 
     @property
     def bounds(self) -> list[tuple[int, int]]:
         return partition.bounds(self.sizes)
 
     def label(self) -> str:
-        return f"{self.dp}x{self.pp}"
+        return f"{self.dp}x{self.pp}" + (f" replicas {replicas_.label(self.replicas)}" if self.replicas else "")
 
 
 @dataclass(frozen=True)
@@ -161,11 +185,13 @@ def hop_seconds(transport: str, nbytes: int) -> float:
 
 def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, schedule: str = "1f1b",
                 transport: str = "collective", optimizer: str = "adam",
-                partition_rule: Union[str, list[int]] = "balanced", chunks: int = 1) -> Shape:
+                partition_rule: Union[str, list[int]] = "balanced", chunks: int = 1,
+                replicas: Sequence[int] = ()) -> Shape:
     """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp x chunks <=
     layers); ``chunks``: model chunks per worker, as the schedule requires (see the module's
-    docstring)."""
+    docstring); ``replicas``: workers per stage (replicated stages, service/replicas.py)."""
     _check_chunks(schedule, chunks)
+    replicas = tuple(replicas) if any(r > 1 for r in replicas) else ()
     m = microbatches // dp
     virtual = pp * chunks
     if isinstance(partition_rule, list) and len(partition_rule) == virtual:
@@ -181,6 +207,10 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
+    per_stage: list[float] = []
+    if replicas:
+        held_at = replicas_.plan(schedule, replicas, m).peak_in_flight()  # per slot
+        peaks = [max(held_at[replicas_.slot_of(replicas, s, j)] for j in range(replicas[s])) for s in range(pp)]
     for rank in range(pp):
         compute = comm = 0.0
         params = held = recompute = 0
@@ -201,9 +231,14 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
             if rank == dst and src != dst:
                 held += nbytes  # the popper holds what it received until its backward
         slot = max(slot, compute + comm)
-        if dp > 1:
-            ar = max(ar, 2 * (dp - 1) * ALLREDUCE_LATENCY_S + 2 * (dp - 1) / dp * params / ALLREDUCE_BYTES_PER_S)
+        per_stage.append(compute + comm)
+        n = dp * (replicas[rank] if replicas else 1)  # the workers that sum this stage's gradients
+        if n > 1:
+            ar = max(ar, 2 * (n - 1) * ALLREDUCE_LATENCY_S + 2 * (n - 1) / n * params / ALLREDUCE_BYTES_PER_S)
         mem = max(mem, params * slots_per_param + math.ceil(peaks[rank] * held) + recompute)
+    if replicas:  # the simulated step with each stage's own cost (service/replicas.py)
+        step = replicas_.step_units(schedule, replicas, m, [max(c, 1e-9) for c in per_stage]) + ar
+        return Shape(dp, pp, tuple(sizes), m, step, mem, chunks=chunks, placement=where, replicas=replicas)
     return Shape(dp, pp, tuple(sizes), m, units * slot + ar, mem, chunks=chunks, placement=where)
 
 
@@ -334,3 +369,36 @@ def _choose(shapes: list[Shape], slots: int, preferred: tuple[int, int], current
     why = f"fastest modelled shape for {slots} slots: {best.label()} ({best.step_s * 1e3:.1f} ms/step"
     why += f"; next {runner_up.label()} {runner_up.step_s * 1e3:.1f} ms)" if runner_up else ")"
     return Decision(best, why, slots, considered)
+
+
+def replica_shapes(facts: LayerFacts, dp: int, workers: int, microbatches: int, **model) -> list[Shape]:
+    """The shapes that run a pipeline on ``workers`` workers (``parallelism.replicas: auto``):
+    for each stage count pp <= workers, the balanced partition into pp stages and the spare
+    workers given one by one to the stage with the most seconds per replica
+    (``replicas.heaviest_first``); pp = workers is the plain pipeline.  ``model``: the other
+    keywords of :func:`model_shape` (schedule gpipe or 1f1b)."""
+    out = []
+    for pp in range(1, min(facts.layers, workers) + 1):
+        sizes = partition.balanced(facts.seconds, pp)
+        seconds = [sum(facts.seconds[lo:hi]) for lo, hi in partition.bounds(sizes)]
+        reps = replicas_.heaviest_first(seconds, workers) if pp < workers else ()
+        if pp == 1 and reps:  # one stage on every worker is data parallelism: dp x workers
+            if microbatches % (dp * workers) == 0:
+                out.append(model_shape(facts, dp * workers, 1, microbatches, **model))
+            continue
+        out.append(model_shape(facts, dp, pp, microbatches, partition_rule=sizes, replicas=reps, **model))
+    return out
+
+
+def choose_replicas(facts: LayerFacts, dp: int, workers: int, microbatches: int, **model) -> tuple[Shape, str]:
+    """The fastest modelled of :func:`replica_shapes` and a sentence that says why, beside the
+    plain pipeline (pp = workers) and data parallelism (dp x workers replicas of the whole model)."""
+    shapes = replica_shapes(facts, dp, workers, microbatches, **model)
+    best = min(shapes, key=lambda s: (s.step_s, s.pp))
+    pp_only = next((s for s in shapes if s.pp == workers and not s.replicas), None)
+    dp_only = next((s for s in shapes if s.pp == 1), None)
+    beside = [f"{name} {s.label()} {s.step_s * 1e3:.1f} ms" for name, s in (("pp only", pp_only),
+                                                                            ("dp only", dp_only)) if s is not None]
+    why = (f"parallelism.replicas auto: {best.label()} is the fastest modelled use of {workers} workers per pipeline "
+           f"({best.step_s * 1e3:.1f} ms/step" + (f"; {', '.join(beside)}" if beside else "") + ")")
+    return best, why

@@ -157,6 +157,21 @@ class ParallelismSpec(_Strict):
     layer_costs_ms: Optional[list[float]] = Field(
         None, description="forward+backward milliseconds of one microbatch per layer on a worker; given, they replace "
                           "the scheduler's profile (which runs on its CPU) for partitions and the elastic planner")
+    replicas: Union[Literal["auto"], list[int], None] = Field(
+        None, description="workers per pipeline stage (replicated stages, PipeDream's 1F1B-RR): [r_0, ..., r_{pp-1}], "
+                          "microbatch k of a stage with r workers runs on its replica k mod r, and the replicas' "
+                          "gradients are summed as data parallelism's; 'auto': the planner uses each pipeline's pp "
+                          "workers as it models fastest (fewer stages, some replicated) from measured layer costs")
+
+    @property
+    def replica_counts(self) -> tuple[int, ...]:
+        """Workers per stage of a given ``replicas`` list (empty: one each, or 'auto')."""
+        return tuple(self.replicas) if isinstance(self.replicas, list) and any(r > 1 for r in self.replicas) else ()
+
+    @property
+    def pipeline_workers(self) -> int:
+        """Workers of one pipeline: sum(replicas), or pp."""
+        return sum(self.replica_counts) or self.pp
 
     @property
     def chunks(self) -> int:
@@ -186,6 +201,19 @@ class ParallelismSpec(_Strict):
                                  f"give one layer count per {per}")
             if any(n < 1 for n in self.partition):
                 raise ValueError("parallelism.partition: every stage needs at least 1 layer")
+        if isinstance(self.replicas, list):
+            if len(self.replicas) != self.pp:
+                raise ValueError(f"parallelism.replicas lists {len(self.replicas)} replica counts but pp is {self.pp}: "
+                                 f"give one count per stage, e.g. {[1] * self.pp} (1 = not replicated)")
+            if any(r < 1 for r in self.replicas):
+                i = next(i for i, r in enumerate(self.replicas) if r < 1)
+                raise ValueError(f"parallelism.replicas[{i}] is {self.replicas[i]}: every stage needs at least 1 worker "
+                                 "(1 = not replicated)")
+        if self.replicas is not None and self.schedule not in ("gpipe", "1f1b") and (
+                self.replicas == "auto" or any(r > 1 for r in self.replicas)):
+            raise ValueError(f"parallelism.replicas runs with schedule 1f1b or gpipe (each replica takes every r-th "
+                             f"microbatch through one model chunk), not {self.schedule}: set parallelism.schedule "
+                             "to 1f1b or gpipe, or leave replicas out")
         if self.layer_costs_ms is not None and (not self.layer_costs_ms or min(self.layer_costs_ms) < 0):
             raise ValueError("parallelism.layer_costs_ms: give one non-negative cost per layer")
         return self
@@ -296,10 +324,21 @@ class JobSpec(_Strict):
             raise ValueError("scheduling.preemptible needs checkpoints: a preempted job resumes from its newest "
                              "checkpoint, so set checkpoint.every_steps (and checkpoint.path), or drop preemptible")
         e = self.elastic
-        if e.enabled and not e.min_workers <= p.dp * p.pp <= e.max_workers:
+        if e.enabled and not e.min_workers <= p.dp * p.pipeline_workers <= e.max_workers:
             raise ValueError(
-                f"the preferred shape parallelism.dp x parallelism.pp ({p.dp} x {p.pp} = {p.dp * p.pp} workers) must lie "
-                f"within elastic.min_workers..max_workers ({e.min_workers}..{e.max_workers})")
+                f"the preferred shape parallelism.dp x parallelism.pp ({p.dp} x {p.pipeline_workers} = "
+                f"{p.dp * p.pipeline_workers} workers) must lie within elastic.min_workers..max_workers "
+                f"({e.min_workers}..{e.max_workers})")
+        reps = p.replica_counts
+        if reps and self.microbatches // p.dp < max(reps):
+            raise ValueError(
+                f"parallelism.replicas {list(reps)} gives a stage {max(reps)} workers but each pipeline has only "
+                f"{self.microbatches // p.dp} microbatches a step (global_batch_size / microbatch_size / dp): a replica "
+                "would have nothing to do; use fewer replicas or more microbatches")
+        if p.replicas is not None and t.batch_norm == "global":
+            raise ValueError("training.batch_norm: global waits for every microbatch at each BatchNorm, which a "
+                             "replicated stage splits between its workers: use batch_norm: deferred, or leave "
+                             "parallelism.replicas out")
         return self
 
     @property

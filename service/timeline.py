@@ -27,9 +27,10 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 from xml.sax.saxutils import escape, quoteattr
 
+from service import replicas as rp
 from service import schedules
 
 RING = 16         # timelines kept per job in the store (the newest written)
@@ -46,6 +47,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
     return {"step": int(step), "start": t_min, "dp": shape.get("dp"), "pp": shape.get("pp"),
             "schedule": shape.get("schedule"), "chunks": chunks_of(shape),
             "microbatches_per_replica": shape.get("microbatches_per_replica"),
+            **({"replicas": list(shape["replicas"])} if shape.get("replicas") else {}),
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
@@ -68,13 +70,22 @@ def chunks_of(entry: dict) -> int:
 
 
 def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int,
-                  chunks: int = 1) -> list[str]:
+                  chunks: int = 1, replicas: Sequence[int] = ()) -> list[str]:
     """The actions worker (dp_rank, pp_rank) runs, in the plan's order (virtual stage ids: a
     chunked schedule's worker runs several), with global microbatch ids (replica r runs
-    microbatches ``[r*m, (r+1)*m)``)."""
+    microbatches ``[r*m, (r+1)*m)``).  With ``replicas`` (workers per stage), ``pp_rank`` is
+    the worker's slot in its pipeline (service/replicas.py)."""
     m = microbatches_per_replica
-    plan = schedules.build(schedule, pp, m, chunks)
-    return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in plan.order[pp_rank]]
+    if replicas:
+        order = rp.plan(schedule, replicas, m).order[pp_rank]
+    else:
+        order = schedules.build(schedule, pp, m, chunks).order[pp_rank]
+    return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in order]
+
+
+def width_of(entry: dict) -> int:
+    """Workers of one pipeline of a shape dict or an entry: sum(replicas), or pp."""
+    return sum(entry.get("replicas") or ()) or entry["pp"]
 
 
 def check(entry: dict) -> list[str]:
@@ -83,7 +94,7 @@ def check(entry: dict) -> list[str]:
     before it starts, two boxes of one worker that overlap."""
     problems = []
     dp, pp = entry["dp"], entry["pp"]
-    want = {f"w{r}.{s}" for r in range(dp) for s in range(pp)}
+    want = {f"w{r}.{s}" for r in range(dp) for s in range(width_of(entry))}
     got = set(entry["workers"])
     if got != want:
         problems.append(f"lanes {sorted(got)} are not the {dp}x{pp} shape's {sorted(want)}")
@@ -91,7 +102,8 @@ def check(entry: dict) -> list[str]:
         r, s = parse_worker(w)
         acts = entry["workers"][w]
         order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
-        plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry))
+        plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry),
+                             entry.get("replicas") or ())
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
         for a, t0, t1 in acts:
@@ -134,16 +146,20 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
         if not boxes:
             continue
         span = max(b["end"] for b in boxes) - min(b["start"] for b in boxes)
-        utils.append(sum(lane["busy_s"] for lane in replica) / (entry["pp"] * span) if span > 0 else 1.0)
+        utils.append(sum(lane["busy_s"] for lane in replica) / (width_of(entry) * span) if span > 0 else 1.0)
     span = max((b["end"] for lane in lanes for b in lane["actions"]), default=0.0)
     try:
-        plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
-                                chunks=chunks_of(entry))
+        if entry.get("replicas"):
+            plan = 1.0 - float(rp.plan(entry["schedule"], entry["replicas"], entry["microbatches_per_replica"]).bubble)
+        else:
+            plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
+                                    chunks=chunks_of(entry))
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
             "portals": _portals(entry, lanes),
             "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"], "chunks": chunks_of(entry),
+            **({"replicas": entry["replicas"]} if entry.get("replicas") else {}),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
             "utilization_plan": plan, "lanes": lanes}
