@@ -168,8 +168,9 @@ class JobController:
         view = self.watch.refresh()
         suspect = self.reshaper.suspect(view.alive)
         free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect)
-        cur = (self.group.shape.dp, self.group.shape.pp) if self.group.shape and not forced else None
+        cur = self.group.shape.key if self.group.shape and not forced else None
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
+                                previous=self.group.shape,
                                 waited_s=time.monotonic() - since if since else 0.0, cap=self.cap,
                                 steps_left=self.spec.training.steps - self.record.step,
                                 step_s=self.group.shape.step_s if cur else None)

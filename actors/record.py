@@ -119,12 +119,14 @@ class JobRecord:
         seconds = time.time() - r.detected
         phases = {k: round(v, 3) for k, v in r.phases.items() if k.endswith("_s")}
         phases["first_step_s"] = round(time.time() - r.phases.get("installed_at", time.time()), 3)
-        old = f"{r.old[0]}x{r.old[1]}" if r.old else "none"
+        name = lambda s: f"{s[0]}x{s[1]}" + (f" replicas {s[2]}" if len(s) > 2 else "")  # noqa: E731
+        old = name(r.old) if r.old else "none"
         lost = (f"{r.steps_lost} steps lost, restored from the {r.restored_from}" if r.steps_lost
                 else f"no step lost{', lost layers restored from the ' + r.restored_from if r.restored_from else ''}")
-        self.event("reshape", f"reshaped {old} -> {r.new[0]}x{r.new[1]} after {r.reason}: step {committed} "
-                   f"committed {seconds:.2f} s after detection; {lost} ({r.why})",
-                   reason=r.reason, old_shape=r.old, new_shape=r.new, recovery_s=seconds,
+        self.event("reshape", f"reshaped {old} -> {name(r.new)} after {r.reason}: step {committed} "
+                   f"committed {seconds:.2f} s after detection; {lost}; {r.moved} layers copied to workers that "
+                   f"lacked them ({r.why})",
+                   reason=r.reason, old_shape=r.old, new_shape=r.new, recovery_s=seconds, layers_moved=r.moved,
                    steps_lost=r.steps_lost, restored_from=r.restored_from, restored_from_step=r.restored_step,
                    step=committed, phases_s=phases)
         with self._lock:

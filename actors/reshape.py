@@ -59,6 +59,7 @@ class Reshaped:
     restored_step: Optional[int]
     why: str
     phases: dict
+    moved: int = 0        # layers with state that workers of the new shape did not hold (copied in)
 
 
 class Reshaper:
@@ -150,16 +151,20 @@ class Reshaper:
     def carry_out(self, move: Move, shape: planner.Shape, why: str, boundary: list) -> Reshaped:
         """Install ``shape`` with ``move``'s workers and state; stop the workers left over."""
         g = self.group
-        old = [g.shape.dp, g.shape.pp] if g.shape else None
+        old = _named(g.shape) if g.shape else None
         previous = dict(g.workers)
         phases = dict(move.phases)
-        phases.update(self.install(shape, why, self.assign(shape, move.keep), move.committed, boundary,
+        assign = self.assign(shape, move.keep)
+        moved = sum(len(shape.layers_of(s) - g.layers_of(c) - self.stateless)
+                    for (r, s), h in assign.items() for c in [next(k for k, v in move.keep.items() if v is h)])
+        moved += sum(len(shape.layers_of(s) - self.stateless) for (r, s) in shape.cells if (r, s) not in assign)
+        phases.update(self.install(shape, why, assign, move.committed, boundary,
                                    copy=move.copy, copy_layers=move.copy_layers, donors=move.donors))
         self.keeper.forget_pending()
         g.stop_others(list(previous.values()) + [h for c, h in move.keep.items() if c not in previous])
         phases["installed_at"] = time.time()
-        return Reshaped(move.reason, old, [shape.dp, shape.pp], move.detected, move.steps_lost, move.restored_from,
-                        move.restored_step, why, phases)
+        return Reshaped(move.reason, old, _named(shape), move.detected, move.steps_lost, move.restored_from,
+                        move.restored_step, why, phases, moved)
 
     def install(self, shape: planner.Shape, why: str, assign: dict, committed: int, boundary: list, *,
                 copy: Optional[dict], donors: dict, copy_layers: Optional[set] = None) -> dict:
@@ -202,3 +207,8 @@ class Reshaper:
             assign[cell] = keep[c]
             used.add(c)
         return assign
+
+
+def _named(shape: planner.Shape) -> list:
+    """[dp, pp], with the workers per stage when a stage is replicated: [dp, pp, replicas]."""
+    return [shape.dp, shape.pp] + ([list(shape.replicas)] if shape.replicas else [])

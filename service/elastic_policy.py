@@ -57,13 +57,14 @@ class Situation:
 
     kept: int                              # live workers of the job that may take cells of a new shape
     free: int                              # free worker slots on alive, non-draining, unsuspected nodes
-    current: Optional[tuple[int, int]]     # the running (dp, pp); None while starting
+    current: Optional[tuple]               # the running shape's key ((dp, pp), planner.Shape.key); None while starting
     forced: bool = False                   # workers were lost or their nodes are draining
     joined: int = 0                        # of ``kept``, workers started for a growth and now up
     waited_s: float = 0.0                  # seconds already spent waiting for slots
     cap: Optional[int] = None              # workers the cluster scheduler allots the job (None: no limit)
     steps_left: Optional[int] = None       # steps still to train (a growth must pay back its reshape)
     step_s: Optional[float] = None         # the current shape's modelled seconds per step
+    previous: Optional[planner.Shape] = None  # the shape that ran (also after a loss: fewer replicas keep its layers)
 
     @property
     def slots(self) -> int:
@@ -71,12 +72,14 @@ class Situation:
 
 
 def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
-         current: Optional[tuple[int, int]] = None) -> planner.Decision:
+         current: Optional[tuple] = None, previous: Optional[planner.Shape] = None) -> planner.Decision:
     """The planner's answer for this job over ``slots`` (the one place its arguments are spelled)."""
     e, p, res = spec.elastic, spec.parallelism, spec.resources
     mem = res.memory_per_worker_mb
+    preferred = (p.dp, p.pp, p.replica_counts) if p.replica_counts else (p.dp, p.pp)
     return planner.plan(slots, facts, spec.training.global_batch_size, spec.training.microbatch_size,
-                        preferred=(p.dp, p.pp), min_workers=e.min_workers, max_workers=e.max_workers,
+                        preferred=preferred, min_workers=e.min_workers, max_workers=e.max_workers,
+                        replicas=p.replicas, previous=previous,
                         schedule=p.schedule, chunks=p.chunks, transport=p.transport, optimizer=spec.optimizer.name,
                         partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
                         current=current, min_gain=e.min_gain)
@@ -92,7 +95,7 @@ def decide(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision
 
 
 def _place(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
-    d = plan(spec, facts, sit.slots)
+    d = plan(spec, facts, sit.slots, previous=sit.previous)
     if not d.wait:
         return Reshape(d.shape, d.reason, forced=True)
     limit = spec.elastic.wait_timeout_s
@@ -115,7 +118,7 @@ def usable_sizes(spec: JobSpec, facts: planner.LayerFacts) -> list[int]:
 def _grow_onto_joined(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
     """Workers started for a growth are up: reshape onto them unless it no longer pays."""
     d = plan(spec, facts, sit.slots, current=sit.current)
-    if d.wait or (d.shape.dp, d.shape.pp) == sit.current:
+    if d.wait or d.shape.key == sit.current:
         return Keep(d.reason)
     return Reshape(d.shape, d.reason, forced=False)
 
@@ -127,7 +130,7 @@ def _maybe_grow(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Dec
     if sit.kept >= spec.elastic.max_workers or sit.free <= 0:
         return Keep("no free slot" if sit.free <= 0 else "at elastic.max_workers")
     d = plan(spec, facts, sit.slots, current=sit.current)
-    if d.wait or (d.shape.dp, d.shape.pp) == sit.current:
+    if d.wait or d.shape.key == sit.current:
         return Keep(d.reason)
     if d.shape.workers <= sit.kept:
         return Keep(f"the faster shape {d.shape.label()} needs no more workers")

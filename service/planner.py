@@ -154,6 +154,11 @@ class Shape:
     def bounds(self) -> list[tuple[int, int]]:
         return partition.bounds(self.sizes)
 
+    @property
+    def key(self) -> tuple:
+        """What names the shape to the policy: (dp, pp), and its replicas when a stage has several."""
+        return (self.dp, self.pp, self.replicas) if self.replicas else (self.dp, self.pp)
+
     def label(self) -> str:
         return f"{self.dp}x{self.pp}" + (f" replicas {replicas_.label(self.replicas)}" if self.replicas else "")
 
@@ -286,15 +291,16 @@ def _plan_model(schedule: str, pp: int, m: int, chunks: int) -> tuple[float, tup
     return units, tuple(Fraction(f).limit_denominator(10**6) for f in schedules.peak_activation_fraction(plan))
 
 
-def _closeness(s: Shape, preferred: tuple[int, int]) -> tuple:
-    return (abs(s.pp - preferred[1]), abs(s.dp - preferred[0]))
+def _closeness(s: Shape, preferred: tuple) -> tuple:
+    return (abs(s.pp - preferred[1]), abs(s.dp - preferred[0]), s.key != tuple(preferred))
 
 
 def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
          preferred: tuple[int, int], min_workers: int = 1, max_workers: int = 16,
          schedule: str = "1f1b", transport: str = "collective", optimizer: str = "adam",
          partition_rule: Union[str, list[int]] = "balanced", memory_bytes: Optional[float] = None,
-         current: Optional[tuple[int, int]] = None, min_gain: float = 0.10, chunks: int = 1) -> Decision:
+         current: Optional[tuple] = None, min_gain: float = 0.10, chunks: int = 1,
+         replicas: Union[str, Sequence[int], None] = None, previous: Optional[Shape] = None) -> Decision:
     """Choose the shape for ``slots`` alive worker slots (``chunks``: model chunks per worker,
     ``parallelism.stages_per_worker``).
 
@@ -303,6 +309,11 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
     - The fastest modelled shape wins, except that the preferred shape is kept when it is
       within ``min_gain`` of the fastest, and so is ``current`` (a voluntary reshape, e.g. a
       scale-up, must gain at least ``min_gain``; ``current`` is None after a loss).
+    - ``replicas`` (the spec's ``parallelism.replicas``: a list or "auto"; None: never): shapes
+      whose pipelines replicate their slowest stages (:func:`replica_shapes`) are candidates too.
+      After a loss, the shape that was running (``previous``) with fewer replicas on the stages
+      that lost workers (its partition: no state moves) is kept when within ``min_gain`` of the
+      fastest.  A shape is named by :attr:`Shape.key` (``preferred`` and ``current`` too).
     """
     _check_chunks(schedule, chunks)
     M = global_batch // microbatch
@@ -310,11 +321,61 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
     if cap < min_workers:
         return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive, "
                               f"the job needs at least elastic.min_workers={min_workers}", slots)
-    shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, schedule=schedule, transport=transport,
-                                  optimizer=optimizer, partition_rule=partition_rule, chunks=chunks)
+    model = dict(schedule=schedule, transport=transport, optimizer=optimizer)
+    shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, partition_rule=partition_rule,
+                                  chunks=chunks, **model)
+    if replicas is not None:
+        more = _replica_candidates(facts, M, min_workers, cap, replicas, previous, partition_rule, **model)
+        shapes += [s for s in more if memory_bytes is None or s.memory_bytes <= memory_bytes]
+        too_big += [s for s in more if memory_bytes is not None and s.memory_bytes > memory_bytes]
     if not shapes:
         return _wait_for_a_fit(slots, M, min_workers, cap, memory_bytes, too_big)
+    if previous is not None and previous.replicas and current is None:
+        shrunk = [s for s in shapes if s.sizes == previous.sizes and s.dp <= previous.dp
+                  and all(a <= b for a, b in zip(s.reps, previous.reps))]
+        best = min(shapes, key=lambda s: s.step_s)
+        keep = max(shrunk, key=lambda s: (s.workers, -s.step_s), default=None)
+        if keep is not None and keep.step_s <= best.step_s * (1 + min_gain):
+            return Decision(keep, f"{keep.label()}: the shape that ran, less the workers lost (no state moves; "
+                                  f"modelled {keep.step_s * 1e3:.1f} ms/step, the fastest {best.label()} "
+                                  f"{best.step_s * 1e3:.1f} ms)", slots, tuple(sorted(shapes, key=lambda s: s.step_s)))
     return _choose(shapes, slots, preferred, current, min_gain)
+
+
+def _replica_candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, replicas, previous: Optional[Shape],
+                        partition_rule: Union[str, list[int]] = "balanced", **model) -> list[Shape]:
+    """Shapes with replicated stages on ``min_workers..cap`` workers: for each dp and workers
+    per pipeline, :func:`replica_shapes`' (those with a replicated stage); the spec's list on
+    its own partition; and ``previous`` (the shape that ran before a loss) with one worker
+    fewer on any of its replicated stages."""
+    out: dict = {}
+    for dp in range(1, cap + 1):
+        if M % dp:
+            continue
+        for w in range(2, cap // dp + 1):
+            if dp * w < min_workers or M // dp < 2:
+                continue
+            for s in replica_shapes(facts, dp, w, M, **model):  # equal counts everywhere: that is dp, modelled already
+                if s.replicas and len(set(s.replicas)) > 1 and M // dp >= max(s.replicas):
+                    out.setdefault(s.key, s)
+    fixed = [tuple(replicas)] if not isinstance(replicas, str) else []
+    if previous is not None and previous.replicas:
+        fixed += [tuple(r - (i == k) for i, r in enumerate(previous.replicas))
+                  for k, r in enumerate(previous.replicas) if r > 1]
+        fixed.append(previous.replicas)
+    for reps in fixed:
+        sizes = list(previous.sizes) if previous is not None and len(previous.sizes) == len(reps) else None
+        if sizes is None and isinstance(partition_rule, list) and len(partition_rule) == len(reps):
+            sizes = list(partition_rule)
+        if sizes is None:
+            sizes = partition.balanced(facts.seconds, len(reps))
+        for dp in range(1, cap // max(sum(reps), 1) + 1):
+            m = M // dp
+            if M % dp or dp * sum(reps) < min_workers or m < max(reps):
+                continue
+            s = model_shape(facts, dp, len(reps), M, partition_rule=sizes, replicas=reps, **model)
+            out.setdefault(s.key, s)
+    return list(out.values())
 
 
 def _candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, memory_bytes: Optional[float],
@@ -355,13 +416,13 @@ def _choose(shapes: list[Shape], slots: int, preferred: tuple[int, int], current
     best = min(shapes, key=lambda s: (s.step_s, _closeness(s, pref), s.workers))
     considered = tuple(sorted(shapes, key=lambda s: s.step_s))
     if current is not None:
-        cur = next((s for s in shapes if (s.dp, s.pp) == tuple(current)), None)
+        cur = next((s for s in shapes if s.key == tuple(current)), None)
         if cur is not None and cur.step_s <= best.step_s * (1 + min_gain):
             gain = cur.step_s / best.step_s - 1
             return Decision(cur, f"kept {cur.label()}: the fastest shape for {slots} slots "
                                  f"({best.label()}) is modelled only {gain:.0%} faster", slots, considered)
     else:
-        pre = next((s for s in shapes if (s.dp, s.pp) == tuple(preferred)), None)
+        pre = next((s for s in shapes if s.key == tuple(preferred)), None)
         if pre is not None and pre.step_s <= best.step_s * (1 + min_gain):
             return Decision(pre, f"preferred shape {pre.label()} fits {slots} slots "
                                  f"(modelled {pre.step_s * 1e3:.1f} ms/step)", slots, considered)

@@ -392,3 +392,27 @@ def test_below_min_workers_waits_then_fails_with_the_reason(cluster, tmp_path):
     assert isinstance(job.error, JobFailed)
     assert str(job.error).startswith("waiting for workers: 1 slot alive, the job needs at least "
                                      "elastic.min_workers=2; gave up after elastic.wait_timeout_s=3 s")
+
+
+def test_a_lost_replica_of_a_replicated_stage_leaves_the_job_going_on_the_others(cluster, tmp_path):
+    """``replicas: [1, 2, 1]`` on 4 nodes: the node of stage 1's second replica crashes mid-run.
+    The job goes on at the next step boundary as 1x3 on the other three workers, each keeping
+    the layers it held (no layer is copied, no step lost), and ends equal to plain PyTorch."""
+    with_nodes(cluster, 4)
+    spec = elastic_spec("lose-replica", 1, 3, min_gain=0.9)  # keep the spec's shape unless one is 1.9x faster
+    d = spec.model_dump(mode="json")
+    d["parallelism"].update(replicas=[1, 2, 1], partition=[3, 2, 3])
+    spec = parse_spec(d)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(10)
+    assert p["shape"]["replicas"] == [1, 2, 1] and len(p["shape"]["workers"]) == 4
+    victim = p["shape"]["workers"]["w0.2"]  # slot 2: stage 1, replica 1
+    cluster.remove_node(node_of(cluster, victim), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert result["state"] == "SUCCEEDED"
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [1, 3, [1, 2, 1]] and reshape["new_shape"] == [1, 3]
+    assert reshape["steps_lost"] == 0 and reshape["layers_moved"] == 0
+    assert "no state moves" in reshape["message"]
