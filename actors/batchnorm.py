@@ -67,8 +67,8 @@ class RunningStats:
         self.seen[(i, self.g)] = (mine[:c], mine[c:2 * c], int(mine[2 * c]))
         return globalnorm.GlobalNorm.apply(m.weight, m.bias, m.eps, self.group, mine, *xs)
 
-    def reduce(self, group) -> Optional[list]:
-        """The step's updates, summed over the stage's replicas (``group``; None: one replica):
+    def reduce(self) -> Optional[list]:
+        """The step's updates, summed over the stage's workers (its ``group``; None: one worker):
         per module, the (mean, unbiased variance) of each update in order."""
         if not self.modules:
             return None
@@ -86,8 +86,8 @@ class RunningStats:
                 flat[r, off + c:off + 2 * c] += s2.cpu()
                 flat[r, off + 2 * c] += n
             off += size
-        if group is not None:
-            dist.all_reduce(flat, group=group)
+        if self.group is not None:
+            dist.all_reduce(flat, group=self.group)
         updates, off = [], 0
         for m, size in zip(self.modules, sizes):
             c = m.num_features

@@ -155,7 +155,12 @@ class JobController:
         p, facts = self.spec.parallelism, self.layers.facts
         model = dict(schedule=p.schedule, transport=p.transport, optimizer=self.spec.optimizer.name)
         if p.replicas == "auto":
-            shape, why = planner.choose_replicas(facts, p.dp, p.pp, self.spec.microbatches, **model)
+            mem = self.spec.resources.memory_per_worker_mb
+            try:
+                shape, why = planner.choose_replicas(facts, p.dp, p.pp, self.spec.microbatches,
+                                                     memory_bytes=mem * 2**20 if mem else None, **model)
+            except ValueError as e:
+                raise SpecError(str(e)) from None
             for c in [c for c in early if c not in shape.cells]:
                 self.group.stop_others([early.pop(c)])
             return shape, why
@@ -260,7 +265,7 @@ class JobController:
         spec, rec, shape = self.spec, self.record, self.group.shape
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
-                          replicas=shape.replicas,
+                          replicas=shape.replicas, stage_costs=shape.stage_costs,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches, chunks=shape.chunks,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
                           lr=lr_at(spec, step + 1))

@@ -98,8 +98,9 @@ class JobRecord:
                 "transport": p.transport, "microbatches": spec.microbatches,
                 "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
                 "workers": workers}
-        if shape.replicas:  # workers per stage (replicated stages)
+        if shape.replicas:  # workers per stage (replicated stages), and the stage costs their orders are planned with
             info["replicas"] = list(shape.replicas)
+            info["stage_costs"] = list(shape.stage_costs)
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
         bounds = partition.bounds(shape.sizes)
@@ -173,7 +174,7 @@ def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1) -> float:
 
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
                 microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
-                chunks: int = 1, replicas: tuple = ()) -> dict:
+                chunks: int = 1, replicas: tuple = (), stage_costs: tuple = ()) -> dict:
     """The metrics row of committed step ``step + 1`` from every worker's step result (keyed
     (dp rank, slot): with ``replicas``, a pipeline's workers are numbered stage by stage)."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
@@ -186,7 +187,7 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         cells = [stats[(r, s)] for s in range(width)]
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
-    ideal = (float(rp.plan(schedule, replicas, microbatches // dp).bubble) if replicas
+    ideal = (float(rp.plan(schedule, replicas, microbatches // dp, rp.relative(stage_costs)).bubble) if replicas
              else plan_bubble(schedule, pp, microbatches // dp, chunks))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,

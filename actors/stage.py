@@ -199,7 +199,7 @@ class Cell:
         if reps:  # replicated stages: this worker's list of its pipeline's step (service/replicas.py)
             s, rep = replicas_.stage_of(reps, slot)
             mine = (s,)
-            actions = list(replicas_.plan(name, reps, m).order[slot])
+            actions = list(replicas_.plan(name, reps, m, replicas_.relative(cfg.get("stage_costs"))).order[slot])
         else:
             rep, actions = 0, list(plan.order[s])
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
@@ -291,6 +291,7 @@ class StepRunner:
         self.portals = portals.Portals(cell.routes, self.parts, {vs: self.parts_range(vs) for vs in self.parts},
                                        cell.skips)
         self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
+        self.blocks = self._blocks()  # the step's actions as they run (the cell's list is fixed)
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
         c, tr, reduce = self.cell, self.tr, self.reduce
@@ -301,7 +302,7 @@ class StepRunner:
                 reduce.attach()  # this step's gradients accumulate in the all-reduce's buffers
         p = _Progress()
         self.norms.begin()
-        for block in self._blocks():
+        for block in self.blocks:
             if len(block) > 1:  # a chunk's forwards (or backwards) together: global BatchNorm
                 self.norms.g = c.mb0
                 spans = (self._forwards_together(block, step, xs, ys, p) if block[0].kind == "F"
@@ -326,7 +327,7 @@ class StepRunner:
         grad_sq, total = self._grad_norm(step)
         if self.norms.modules:
             with talking_to_peers(f"summing the BatchNorm statistics of step {step + 1} with the stage's replicas"):
-                self.norm_update = (self.norms, self.norms.reduce(self.stats_group))
+                self.norm_update = (self.norms, self.norms.reduce())
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()

@@ -369,6 +369,9 @@ class StageWorker:
                 f"a stage holding them is replicated (parallelism.replicas {list(c.replicas)}): relaytrain does not "
                 "sum a tie's gradients between replicated stages yet; give those stages 1 replica, or cut the "
                 "model so that the tied layers share a stage")
+        if c.replicas:  # the tie's stages have one worker each: the transport names them by slot
+            slot = {i: c.peer(vs, c.mb0) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
+            ties = TiedGrads(self.recipe.tied, self.stage, slot, c.index)
         self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
                                  self.mbs / self.B, ties,
                                  recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)

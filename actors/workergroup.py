@@ -154,6 +154,7 @@ class WorkerGroup:
         self.gen += 1
         calls = {(r, s): h.configure.remote(
             {"gen": self.gen, "dp_rank": r, "pp_rank": shape.stage_of(s), "slot": s, "replicas": list(shape.replicas),
+             "stage_costs": list(shape.stage_costs),
              "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds, "boundary": boundary, "schedule": p.schedule,
              "chunks": shape.chunks, "committed": committed, "skips": self.skips}, sources.get((r, s), []))
             for (r, s), h in assign.items()}

@@ -19,6 +19,8 @@ def _schedule(args) -> int:
     chunks = args.stages_per_worker
     if chunks is None:  # the schedule's default, as parallelism.stages_per_worker's
         chunks = 2 if args.schedule in schedules.CHUNKED else 1
+    if args.replicas:
+        return _replicated_schedule(args)
     try:
         plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks)
         weight = None if args.weight_cost is None else cost(args.weight_cost, "--weight-cost")
@@ -26,6 +28,78 @@ def _schedule(args) -> int:
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _numbers(text: str, flag: str, kind=int) -> list:
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} takes numbers separated by commas, like 1,2,1; got {text!r}") from None
+
+
+def _replicated_schedule(args) -> int:
+    """``relaytrain schedule --replicas 1,2,1``: the per-worker orders of a pipeline with replicated stages."""
+    from service import replicas
+
+    try:
+        reps = _numbers(args.replicas, "--replicas")
+        if len(reps) != args.stages:
+            raise ValueError(f"--replicas gives {len(reps)} counts for --stages {args.stages}: give one per stage")
+        costs = _numbers(args.stage_costs, "--stage-costs", Fraction) if args.stage_costs else None
+        print(replicas.render_grid(replicas.plan(args.schedule, reps, args.microbatches, costs)))
+    except ValueError as e:
+        print(f"relaytrain schedule: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _plan(args) -> int:
+    """``relaytrain plan SPEC``: the modelled step of each way to use the spec's workers per
+    pipeline (stages, replicated stages), the planner's choice beside pp only and dp only."""
+    from pathlib import Path
+
+    from actors import layerfacts
+    from service import planner
+    from service.loading import search_dirs
+    from service.spec import SpecError, load_spec
+
+    try:
+        spec = load_spec(args.spec)
+        p = spec.parallelism
+        workers = args.workers if args.workers is not None else p.dp * p.pipeline_workers
+        if workers < 1:
+            raise SpecError(f"--workers must be at least 1, got {workers}")
+        if workers % p.dp:
+            raise SpecError(f"--workers {workers} is not a multiple of parallelism.dp {p.dp}")
+        if p.schedule not in ("gpipe", "1f1b"):
+            raise SpecError(f"relaytrain plan compares replicated stages, which run gpipe or 1f1b, not {p.schedule}")
+        spec = spec.model_copy(update={"parallelism": p.model_copy(update={"replicas": "auto"})})
+        layers = layerfacts.learn(spec, search_dirs(str(Path(args.spec).resolve().parent)))
+    except (SpecError, ValueError) as e:
+        print(f"relaytrain plan: {e}", file=sys.stderr)
+        return 2
+    f, w = layers.facts, workers // p.dp
+    model = dict(schedule=p.schedule, transport=p.transport, optimizer=spec.optimizer.name)
+    mem = spec.resources.memory_per_worker_mb
+    shapes = planner.replica_shapes(f, p.dp, w, spec.microbatches, **model)
+    try:
+        best, why = planner.choose_replicas(f, p.dp, w, spec.microbatches, memory_bytes=mem * 2**20 if mem else None,
+                                            **model)
+    except ValueError as e:
+        print(f"relaytrain plan: {e}", file=sys.stderr)
+        return 2
+    print(f"{workers} workers ({w} per pipeline, dp {p.dp}), {p.schedule}, {spec.microbatches} microbatches; layer "
+          f"costs (ms, {'declared' if p.layer_costs_ms else 'estimated'}): "
+          f"[{', '.join(f'{s * 1e3:.3g}' for s in f.seconds)}]")
+    print(f"{'shape':<26}{'layers per stage':<20}{'modelled step':>15}{'peak memory':>14}")
+    for s in sorted(shapes, key=lambda s: s.step_s):
+        tags = [t for t, ok in (("chosen", s.key == best.key), ("pp only", s.pp == w and not s.replicas),
+                                ("dp only", s.pp == 1),
+                                ("does not fit memory_per_worker_mb", bool(mem) and s.memory_bytes > mem * 2**20)) if ok]
+        print(f"{s.label():<26}{str(list(s.sizes)):<20}{s.step_s * 1e3:>12.1f} ms{s.memory_bytes / 2**20:>11.2f} MB"
+              + (f"  ({', '.join(tags)})" if tags else ""))
+    print(why)
     return 0
 
 
@@ -385,7 +459,16 @@ def _local_commands(sub) -> None:
     sch.add_argument("--weight-cost", default=None,
                      help="weight-gradient time W in units of forward time (default: half of --backward-cost "
                           "for zb_h1 and zbv); 1f1b, gpipe, interleaved_1f1b run B + W as one backward")
+    sch.add_argument("--replicas", default=None, metavar="R0,R1,...",
+                     help="workers per stage (replicated stages, gpipe or 1f1b): one row per worker")
+    sch.add_argument("--stage-costs", default=None, metavar="C0,C1,...",
+                     help="with --replicas: each stage's forward time per microbatch (default 1 each; B = 2F)")
     sch.set_defaults(fn=_schedule)
+
+    pl = sub.add_parser("plan", help="model the ways to use a spec's workers: stages, replicated stages, dp")
+    pl.add_argument("spec", help="the job spec file (its parallelism.dp, pp or replicas give the workers)")
+    pl.add_argument("--workers", type=int, default=None, help="workers in all (default: the spec's)")
+    pl.set_defaults(fn=_plan)
 
     srv = sub.add_parser("serve", help="run the REST API server (control plane)")
     srv.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")

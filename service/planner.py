@@ -102,6 +102,7 @@ class Shape:
     chunks: int = 1                    # model chunks per worker (parallelism.stages_per_worker)
     placement: str = "loop"            # how chunks sit on workers (service/schedules.py: placement)
     replicas: tuple[int, ...] = ()     # workers per stage (parallelism.replicas); (): one each
+    stage_costs: tuple[float, ...] = ()  # with replicas: each stage's modelled seconds per microbatch (orders the plan)
 
     @property
     def reps(self) -> tuple[int, ...]:
@@ -214,8 +215,7 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     slots_per_param = 2 + OPTIMIZER_SLOTS.get(optimizer, 2)
     per_stage: list[float] = []
     if replicas:
-        held_at = replicas_.plan(schedule, replicas, m).peak_in_flight()  # per slot
-        peaks = [max(held_at[replicas_.slot_of(replicas, s, j)] for j in range(replicas[s])) for s in range(pp)]
+        peaks = [m if schedule == "gpipe" else min(m, replicas_.in_flight_cap(replicas, s) + 1) for s in range(pp)]
     for rank in range(pp):
         compute = comm = 0.0
         params = held = recompute = 0
@@ -241,9 +241,11 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
         if n > 1:
             ar = max(ar, 2 * (n - 1) * ALLREDUCE_LATENCY_S + 2 * (n - 1) / n * params / ALLREDUCE_BYTES_PER_S)
         mem = max(mem, params * slots_per_param + math.ceil(peaks[rank] * held) + recompute)
-    if replicas:  # the simulated step with each stage's own cost (service/replicas.py)
-        step = replicas_.step_units(schedule, replicas, m, [max(c, 1e-9) for c in per_stage]) + ar
-        return Shape(dp, pp, tuple(sizes), m, step, mem, chunks=chunks, placement=where, replicas=replicas)
+    if replicas:  # each stage at its own pace (service/replicas.py; the closed form of its simulated plans)
+        step = replicas_.modelled_step(per_stage, replicas, m) + ar
+        costs = tuple(per_stage) if any(facts.seconds) else ()  # no layer costs known: the orders assume equal stages
+        return Shape(dp, pp, tuple(sizes), m, step, mem, chunks=chunks, placement=where, replicas=replicas,
+                     stage_costs=costs)
     return Shape(dp, pp, tuple(sizes), m, units * slot + ar, mem, chunks=chunks, placement=where)
 
 
@@ -451,11 +453,19 @@ def replica_shapes(facts: LayerFacts, dp: int, workers: int, microbatches: int, 
     return out
 
 
-def choose_replicas(facts: LayerFacts, dp: int, workers: int, microbatches: int, **model) -> tuple[Shape, str]:
-    """The fastest modelled of :func:`replica_shapes` and a sentence that says why, beside the
-    plain pipeline (pp = workers) and data parallelism (dp x workers replicas of the whole model)."""
+def choose_replicas(facts: LayerFacts, dp: int, workers: int, microbatches: int,
+                    memory_bytes: Optional[float] = None, **model) -> tuple[Shape, str]:
+    """The fastest modelled of :func:`replica_shapes` that fit ``memory_bytes`` per worker (when
+    given) and a sentence that says why, beside the plain pipeline (pp = workers) and data
+    parallelism (dp x workers replicas of the whole model)."""
     shapes = replica_shapes(facts, dp, workers, microbatches, **model)
-    best = min(shapes, key=lambda s: (s.step_s, s.pp))
+    fits = [s for s in shapes if memory_bytes is None or s.memory_bytes <= memory_bytes]
+    if not fits:
+        least = min(shapes, key=lambda s: s.memory_bytes)
+        raise ValueError(f"parallelism.replicas auto: no use of {workers} workers per pipeline fits "
+                         f"resources.memory_per_worker_mb={memory_bytes / 2**20:g} (the smallest, {least.label()}, "
+                         f"needs {least.memory_bytes / 2**20:.3g} MB): add workers (pp) or memory")
+    best = min(fits, key=lambda s: (s.step_s, s.pp))
     pp_only = next((s for s in shapes if s.pp == workers and not s.replicas), None)
     dp_only = next((s for s in shapes if s.pp == 1), None)
     beside = [f"{name} {s.label()} {s.step_s * 1e3:.1f} ms" for name, s in (("pp only", pp_only),

@@ -29,6 +29,7 @@ actions.  The costs used (forward c_s, backward 2 c_s per stage) shape the order
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass
@@ -133,7 +134,18 @@ def plan(name: str, replicas: Sequence[int], microbatches: int,
          costs: Optional[Sequence[float | Fraction]] = None) -> Plan:
     """The action lists and simulated timing of schedule ``name`` (gpipe or 1f1b) for one
     pipeline with ``replicas[s]`` workers on stage s and ``microbatches`` microbatches;
-    ``costs[s]``: stage s's forward time per microbatch (default 1), its backward 2x."""
+    ``costs[s]``: stage s's forward time per microbatch (default 1), its backward 2x.
+
+    1f1b starts from PipeDream's caps (:func:`in_flight_cap`) and, stage by stage, keeps one
+    more microbatch in flight where that shortens the simulated step (unequal stages fill and
+    drain unevenly: stage costs 1, 2, 1 on [1, 2, 1] at M = 8 take 36 units at caps [4, 2, 1]
+    and 33 at [5, 2, 1]).  Cached: every worker, the timeline and the metrics ask for it."""
+    return _plan(name, tuple(int(r) for r in replicas), int(microbatches),
+                 None if costs is None else tuple(Fraction(c).limit_denominator(10**6) for c in costs))
+
+
+@functools.lru_cache(maxsize=512)
+def _plan(name: str, replicas: tuple, microbatches: int, costs: Optional[tuple]) -> Plan:
     if name not in SCHEDULES:
         raise ValueError(f"replicated stages run the schedules {', '.join(SCHEDULES)}, not {name!r}: set "
                          "parallelism.schedule to one of them, or leave parallelism.replicas out")
@@ -142,17 +154,36 @@ def plan(name: str, replicas: Sequence[int], microbatches: int,
     if microbatches < 1:
         raise ValueError(f"a schedule needs at least 1 microbatch, got {microbatches}")
     pp = len(replicas)
-    fc = tuple(Fraction(c).limit_denominator(10**6) for c in (costs or [1] * pp))
+    fc = tuple(costs or [Fraction(1)] * pp)
     if len(fc) != pp or any(c <= 0 for c in fc):
         raise ValueError(f"costs must be {pp} positive numbers, got {costs}")
-    dur = {"F": fc, "B": tuple(2 * c for c in fc)}
+    if name == "gpipe":
+        return _simulate(name, replicas, microbatches, fc, [microbatches] * pp)
+    caps = [min(in_flight_cap(replicas, s), microbatches) for s in range(pp)]
+    best = _simulate(name, replicas, microbatches, fc, caps)
+    for s in range(pp):
+        if caps[s] >= microbatches:
+            continue
+        more = _simulate(name, replicas, microbatches, fc, caps[:s] + [caps[s] + 1] + caps[s + 1:])
+        if more.makespan < best.makespan:
+            best, caps = more, caps[:s] + [caps[s] + 1] + caps[s + 1:]
+    return best
+
+
+def _simulate(name: str, replicas: tuple, microbatches: int, fc: tuple, caps: list) -> Plan:
+    """List scheduling of one pipeline's step with ``caps[s]`` microbatches in flight per
+    worker of stage s (see :func:`plan`)."""
+    pp = len(replicas)
+    scale = math.lcm(*(c.denominator for c in fc))  # whole numbers: exact, and fast
+    ic = tuple(int(c * scale) for c in fc)
+    dur = {"F": ic, "B": tuple(2 * c for c in ic)}
     slots = [(s, j) for s in range(pp) for j in range(replicas[s])]
     mine = [[k for k in range(microbatches) if replica_of(k, replicas[s]) == j] for s, j in slots]
-    cap = [microbatches if name == "gpipe" else in_flight_cap(replicas, s) for s, _ in slots]
+    cap = [caps[s] for s, _ in slots]
     start: dict = {}
     end: dict = {}
     order: list[list[Action]] = [[] for _ in slots]
-    free = [Fraction(0)] * len(slots)
+    free = [0] * len(slots)
     nxt = [0] * len(slots)            # index of the next forward in mine[i]
     flight: list[list[int]] = [[] for _ in slots]   # forwarded, not yet backward, in order
     total = 2 * microbatches * pp
@@ -178,7 +209,8 @@ def plan(name: str, replicas: Sequence[int], microbatches: int,
             flight[i].append(a.mb)
         else:
             flight[i].remove(a.mb)
-    return Plan(name, replicas, microbatches, tuple(tuple(o) for o in order), start, end, fc)
+    return Plan(name, replicas, microbatches, tuple(tuple(o) for o in order),
+                {a: Fraction(t, scale) for a, t in start.items()}, {a: Fraction(t, scale) for a, t in end.items()}, fc)
 
 
 def _candidates(name: str, s: int, i: int, mine: list, nxt: list, flight: list, cap: list) -> list[Action]:
@@ -213,23 +245,23 @@ def check_orders(replicas: Sequence[int], microbatches: int, order: Sequence[Seq
             raise ScheduleError("the replicated plan deadlocks")
 
 
-def step_units(name: str, replicas: Sequence[int], microbatches: int, costs: Sequence[float]) -> float:
-    """The simulated step (makespan) in the units of ``costs`` (per stage, forward + backward
-    of one microbatch; split 1:2 into forward and backward)."""
-    return float(_cached(name, tuple(replicas), microbatches, tuple(float(c) for c in costs)))
+def relative(costs: Optional[Sequence[float]]) -> Optional[tuple[Fraction, ...]]:
+    """Stage costs as exact fractions of the largest (each at least 1/1000), the form the
+    orders are planned with, the same on every worker; None (equal costs) when none is positive."""
+    if not costs or max(costs) <= 0:
+        return None
+    top = max(costs)
+    return tuple(Fraction(max(c / top, 1e-3)).limit_denominator(10**4) for c in costs)
 
 
-_cache: dict = {}
-
-
-def _cached(name, replicas, microbatches, costs) -> Fraction:
-    key = (name, replicas, microbatches, costs)
-    if key not in _cache:
-        if len(_cache) > 4096:
-            _cache.clear()
-        p = plan(name, replicas, microbatches, [c / 3 for c in costs])
-        _cache[key] = p.makespan
-    return _cache[key]
+def modelled_step(seconds: Sequence[float], replicas: Sequence[int], microbatches: int) -> float:
+    """The planner's step for stages of ``seconds`` (forward + backward of one microbatch on one
+    worker) and ``replicas``: the slowest stage's pace, seconds / replicas, for each of the m
+    microbatches, plus the fill and drain, one microbatch through the other stages.  Plain 1F1B's
+    (m + pp - 1) x slot when the stages are equal; for costs 1, 2, 1 on [1, 2, 1] at M = 8 the
+    simulated plans' 33 units (tests/test_replicas_plan.py compares the two)."""
+    pace = max(c / r for c, r in zip(seconds, replicas))
+    return microbatches * pace + sum(seconds) - pace
 
 
 def heaviest_first(seconds: Sequence[float], workers: int) -> tuple[int, ...]:
@@ -245,3 +277,27 @@ def heaviest_first(seconds: Sequence[float], workers: int) -> tuple[int, ...]:
         reps[s] += 1
         heapq.heappush(heap, (-seconds[s] / reps[s], s))
     return tuple(reps)
+
+
+def render_grid(p: Plan) -> str:
+    """Worker x time grid of a replicated plan (one row per worker, ``stage s.j``: replica j of
+    stage s; one cell = the greatest common unit of the actions' durations), and a last line
+    with the bubble and each worker's peak microbatches in flight."""
+    durations = [p.end[a] - p.start[a] for acts in p.order for a in acts]
+    den = math.lcm(*(d.denominator for d in durations))
+    unit = Fraction(math.gcd(*(d.numerator * (den // d.denominator) for d in durations)), den)
+    cells = int(p.makespan / unit)
+    width = max([len(str(a)) for acts in p.order for a in acts] + [len(str(cells - 1))])
+    lines = [(" " * 11 + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]
+    for slot, acts in enumerate(p.order):
+        row = [" " * width] * cells
+        for a in acts:
+            for c in range(int(p.start[a] / unit), int(p.end[a] / unit)):
+                row[c] = f"{str(a):<{width}}"
+        s, j = stage_of(p.replicas, slot)
+        lines.append(f"stage {f'{s}.{j}':<4} " + " ".join(row).rstrip())
+    costs = " ".join(f"F{s}={float(c):g}" for s, c in enumerate(p.costs))
+    lines.append(f"{p.name} replicas={label(p.replicas)} microbatches={p.microbatches} {costs} (B = 2F)  "
+                 f"makespan={float(p.makespan):g}  bubble={float(p.bubble):.1%}  "
+                 f"peak in flight={p.peak_in_flight()}")
+    return "\n".join(lines)

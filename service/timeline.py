@@ -47,7 +47,8 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
     return {"step": int(step), "start": t_min, "dp": shape.get("dp"), "pp": shape.get("pp"),
             "schedule": shape.get("schedule"), "chunks": chunks_of(shape),
             "microbatches_per_replica": shape.get("microbatches_per_replica"),
-            **({"replicas": list(shape["replicas"])} if shape.get("replicas") else {}),
+            **({"replicas": list(shape["replicas"]), "stage_costs": list(shape.get("stage_costs") or [])}
+               if shape.get("replicas") else {}),
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
@@ -70,14 +71,14 @@ def chunks_of(entry: dict) -> int:
 
 
 def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int,
-                  chunks: int = 1, replicas: Sequence[int] = ()) -> list[str]:
+                  chunks: int = 1, replicas: Sequence[int] = (), stage_costs: Sequence[float] = ()) -> list[str]:
     """The actions worker (dp_rank, pp_rank) runs, in the plan's order (virtual stage ids: a
     chunked schedule's worker runs several), with global microbatch ids (replica r runs
     microbatches ``[r*m, (r+1)*m)``).  With ``replicas`` (workers per stage), ``pp_rank`` is
-    the worker's slot in its pipeline (service/replicas.py)."""
+    the worker's slot in its pipeline (service/replicas.py), its order planned with ``stage_costs``."""
     m = microbatches_per_replica
     if replicas:
-        order = rp.plan(schedule, replicas, m).order[pp_rank]
+        order = rp.plan(schedule, replicas, m, rp.relative(stage_costs)).order[pp_rank]
     else:
         order = schedules.build(schedule, pp, m, chunks).order[pp_rank]
     return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in order]
@@ -103,7 +104,7 @@ def check(entry: dict) -> list[str]:
         acts = entry["workers"][w]
         order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
         plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry),
-                             entry.get("replicas") or ())
+                             entry.get("replicas") or (), entry.get("stage_costs") or ())
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
         for a, t0, t1 in acts:
@@ -150,7 +151,8 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
     span = max((b["end"] for lane in lanes for b in lane["actions"]), default=0.0)
     try:
         if entry.get("replicas"):
-            plan = 1.0 - float(rp.plan(entry["schedule"], entry["replicas"], entry["microbatches_per_replica"]).bubble)
+            plan = 1.0 - float(rp.plan(entry["schedule"], entry["replicas"], entry["microbatches_per_replica"],
+                                       rp.relative(entry.get("stage_costs"))).bubble)
         else:
             plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
                                     chunks=chunks_of(entry))

@@ -90,7 +90,7 @@ def test_microbatches_meet_at_the_norm_and_keep_their_own_dropout_masks():
     seeds = [11, 12, 13, 14]
     ys, stats = _run_together(layer, xs, seeds)
     sum((y * (k + 1)).sum() for k, y in enumerate(ys)).backward()
-    stats.apply(stats.reduce(None))
+    stats.apply(stats.reduce())
 
     lin, bn, drop = ref
     normed = bn(lin(torch.cat(xs))).split(3)
