@@ -19,8 +19,10 @@ For each kind, M in {4, 8, 16} and microbatches of --mbs rows: the median step t
 warm-up steps), the speed-up over pp=3, the measured bubble and the planner's modelled step.
 
     .venv/bin/python bench/replicas.py [--ms 4 8 16] [--mbs 16] [--steps 8] [--kinds paced real]
+        [--ms-per-sample 0.25 1.0] [--shapes pp=3 [1,2,1] pp=4 dp=4] [--out replicas]
 
-Writes bench/results/replicas.{json,txt}.
+Writes bench/results/OUT.{json,txt} (replicas_mbs8 and replicas_mbs32: the same at --mbs 8 and 32,
+M = 8, paced 0.25 ms, pp=3 against [1,2,1]).
 """
 from __future__ import annotations
 
@@ -120,6 +122,8 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=512)
     ap.add_argument("--ms-per-sample", type=float, nargs="+", default=[0.25, 1.0])
     ap.add_argument("--kinds", nargs="+", default=["paced", "real"])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--out", default="replicas", help="bench/results/OUT.{txt,json}")
     args = ap.parse_args()
 
     import ray
@@ -138,7 +142,7 @@ def main() -> None:
     runs = [(kind, ms) for kind in args.kinds for ms in (args.ms_per_sample if kind == "paced" else [0.0])]
     for kind, pace in runs:
         for m in args.ms:
-            for name in SHAPES:
+            for name in args.shapes:
                 if name == "dp=4" and m % 4:
                     continue
                 s = spec(kind, name, m, args.mbs, args.steps, args.width, pace)
@@ -175,8 +179,8 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     out = BENCH / "results"
-    (out / "replicas.txt").write_text(text + "\n")
-    (out / "replicas.json").write_text(json.dumps({"machine": facts, "seconds": time.time() - t_start,
+    (out / f"{args.out}.txt").write_text(text + "\n")
+    (out / f"{args.out}.json").write_text(json.dumps({"machine": facts, "seconds": time.time() - t_start,
                                                    "rows": rows}, indent=1))
 
 

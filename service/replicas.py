@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Optional, Sequence
 
+from service import schedules
 from service.schedules import Action, ScheduleError, dependencies
 
 SCHEDULES = ("gpipe", "1f1b")  # the schedules a pipeline with replicated stages runs
@@ -283,19 +284,9 @@ def render_grid(p: Plan) -> str:
     """Worker x time grid of a replicated plan (one row per worker, ``stage s.j``: replica j of
     stage s; one cell = the greatest common unit of the actions' durations), and a last line
     with the bubble and each worker's peak microbatches in flight."""
-    durations = [p.end[a] - p.start[a] for acts in p.order for a in acts]
-    den = math.lcm(*(d.denominator for d in durations))
-    unit = Fraction(math.gcd(*(d.numerator * (den // d.denominator) for d in durations)), den)
-    cells = int(p.makespan / unit)
-    width = max([len(str(a)) for acts in p.order for a in acts] + [len(str(cells - 1))])
-    lines = [(" " * 11 + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]
-    for slot, acts in enumerate(p.order):
-        row = [" " * width] * cells
-        for a in acts:
-            for c in range(int(p.start[a] / unit), int(p.end[a] / unit)):
-                row[c] = f"{str(a):<{width}}"
-        s, j = stage_of(p.replicas, slot)
-        lines.append(f"stage {f'{s}.{j}':<4} " + " ".join(row).rstrip())
+    unit = schedules.unit_of([p.end[a] - p.start[a] for acts in p.order for a in acts])
+    rows = [("stage {}.{:<2}".format(*stage_of(p.replicas, slot)), acts) for slot, acts in enumerate(p.order)]
+    lines = schedules.grid_lines(rows, p.start, p.end, unit, p.makespan)
     costs = " ".join(f"F{s}={float(c):g}" for s, c in enumerate(p.costs))
     lines.append(f"{p.name} replicas={label(p.replicas)} microbatches={p.microbatches} {costs} (B = 2F)  "
                  f"makespan={float(p.makespan):g}  bubble={float(p.bubble):.1%}  "

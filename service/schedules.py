@@ -493,10 +493,26 @@ def render_plan(schedule: Schedule, mark: set[Action] | None = None) -> str:
     )
 
 
-def _unit(values) -> Fraction:
+def unit_of(values) -> Fraction:
     """The greatest common unit of positive fractions (each is a whole number of it)."""
     den = math.lcm(*(x.denominator for x in values))
     return Fraction(math.gcd(*(x.numerator * (den // x.denominator) for x in values)), den)
+
+
+def grid_lines(rows: list, start: dict, end: dict, unit: Fraction, makespan: Fraction) -> list[str]:
+    """A time header and one line per ``(label, actions)`` row: each action fills the cells of
+    ``unit`` it lasts (``start``/``end``), idle cells are blank."""
+    cells = int(makespan / unit)
+    width = max([len(str(a)) for _, acts in rows for a in acts] + [len(str(cells - 1))])
+    pad = max(len(name) for name, _ in rows) + 1
+    lines = [(" " * pad + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]
+    for name, acts in rows:
+        row = [" " * width] * cells
+        for a in acts:
+            for c in range(int(start[a] / unit), int(end[a] / unit)):
+                row[c] = f"{str(a):<{width}}"
+        lines.append(f"{name} " + " ".join(row).rstrip())
+    return lines
 
 
 def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2,
@@ -507,16 +523,8 @@ def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2,
     a worker's whole share (F = 1), bubble fraction and utilization."""
     timing = simulate(schedule, backward_cost, weight_cost)
     costs = action_costs(schedule, backward_cost, weight_cost)
-    unit = _unit(costs.values())
-    cells = int(timing.makespan / unit)
-    width = max([len(str(a)) for acts in schedule.order for a in acts] + [len(str(cells - 1))])
-    lines = [(" " * 9 + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]
-    for i, acts in enumerate(schedule.order):
-        row = [" " * width] * cells
-        for a in acts:
-            for c in range(int(timing.start[a] / unit), int(timing.end[a] / unit)):
-                row[c] = f"{str(a):<{width}}"
-        lines.append(f"stage {i:<2} " + " ".join(row).rstrip())
+    lines = grid_lines([(f"stage {i:<2}", acts) for i, acts in enumerate(schedule.order)], timing.start, timing.end,
+                       unit_of(costs.values()), timing.makespan)
     share = " ".join(f"{k}={c * schedule.chunks}" for k, c in costs.items())
     lines.append(
         f"{schedule.name}: stages={schedule.stages} microbatches={schedule.microbatches} "

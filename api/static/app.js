@@ -444,15 +444,17 @@ function drawShape(job) {
   }
   const chunks = shapeChunks(shape);
   $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule}` +
-    (chunks > 1 ? ` (${chunks} model chunks per worker)` : "") + ` with ` +
+    (chunks > 1 ? ` (${chunks} model chunks per worker)` : "") +
+    (shape.replicas ? ` (workers per stage ${shape.replicas.join(", ")})` : "") + ` with ` +
     `${shape.microbatches_per_replica} microbatches per replica, transport ${shape.transport}` +
     (shape.gpus_per_worker ? `, ${shape.gpus_per_worker} GPU per worker` : ", CPU workers");
   const starts = [0];
   for (const n of shape.partition || []) starts.push(starts[starts.length - 1] + n);
   const rows = Object.entries(shape.workers || {}).map(([w, node]) => {
-    const s = Number(w.split(".")[1]);
-    let layers = `stage ${s}`;
-    if (shape.partition && chunks === 1) layers = `stage ${s}: layers ${starts[s]}–${starts[s + 1] - 1}`;
+    const [s, rep] = stageOfSlot(Number(w.split(".")[1]), shape.replicas);
+    const which = shape.replicas ? `stage ${s} replica ${rep}` : `stage ${s}`;
+    let layers = which;
+    if (shape.partition && chunks === 1) layers = `${which}: layers ${starts[s]}–${starts[s + 1] - 1}`;
     else if (shape.partition) {  // the worker's model chunks (virtual stages), in model order
       const mine = chunksOf(s, shape.pp, chunks, shape.placement || (shape.schedule === "zbv" ? "v" : "loop"));
       layers = `stages ${mine.join(", ")}: layers ` +
@@ -462,6 +464,17 @@ function drawShape(job) {
       el("td", { text: layers }), el("td", { class: "mono", text: node ? node.slice(0, 12) : "?", title: node || "" }));
   });
   body.replaceChildren(...rows);
+}
+
+// (stage, replica) of a pipeline's worker `slot` (service/replicas.py stage_of): with replicated
+// stages a pipeline's workers are numbered stage by stage; without, the slot is the stage.
+function stageOfSlot(slot, replicas) {
+  if (!replicas) return [slot, 0];
+  for (let s = 0; s < replicas.length; s++) {
+    if (slot < replicas[s]) return [s, slot];
+    slot -= replicas[s];
+  }
+  return [slot, 0];
 }
 
 // Model chunks per worker (parallelism.stages_per_worker) of a shape: interleaved_1f1b and zbv
