@@ -170,3 +170,19 @@ def test_batch_norm_buffers_on_replicated_stages_equal_one_process(ray_session, 
     assert len(buffers(got)) == 9
     assert int(got["2.num_batches_tracked"]) == 3 * (1 if mode == "deferred" else spec.microbatches)
     assert [r["loss"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == pytest.approx(want["losses"], rel=1e-4)
+
+
+@pytest.mark.parametrize("replicas, schedule, transport", [([1, 2, 1], "1f1b", "collective"),
+                                                            ([2, 1, 2], "gpipe", "object_store")])
+def test_skips_to_and_from_replicated_stages(ray_session, tmp_path, replicas, schedule, transport):
+    """A U-Net (relaytrain.skip) whose skips leave and reach replicated stages: each skip tensor
+    goes from the replica that ran its microbatch's stash to the one that pops it, and its
+    gradient back; equal to the one-process loop."""
+    from tests.conftest import FIXTURES
+    from tests.test_cut import check_unet, unet_spec
+
+    spec = unet_spec(1, 3, schedule, transport, parallelism={"replicas": replicas})
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    check_unet(spec, tmp_path)
+    shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
+    assert shape["replicas"] == replicas and shape.get("portals")
