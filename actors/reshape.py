@@ -155,9 +155,9 @@ class Reshaper:
         previous = dict(g.workers)
         phases = dict(move.phases)
         assign = self.assign(shape, move.keep)
-        moved = sum(len(shape.layers_of(s) - g.layers_of(c) - self.stateless)
-                    for (r, s), h in assign.items() for c in [next(k for k, v in move.keep.items() if v is h)])
-        moved += sum(len(shape.layers_of(s) - self.stateless) for (r, s) in shape.cells if (r, s) not in assign)
+        was = {id(h): c for c, h in move.keep.items()}  # a kept worker's cell before the move
+        held = lambda cell: g.layers_of(was[id(assign[cell])]) if cell in assign else set()  # noqa: E731
+        moved = sum(len(shape.layers_of(s) - held((r, s)) - self.stateless) for r, s in shape.cells)
         phases.update(self.install(shape, why, assign, move.committed, boundary,
                                    copy=move.copy, copy_layers=move.copy_layers, donors=move.donors))
         self.keeper.forget_pending()

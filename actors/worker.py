@@ -41,6 +41,7 @@ from actors.ties import TiedGrads
 from actors.wiring import Wiring, rendezvous_address
 from service import checkpoint, shards
 from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
+from service.replicas import stage_of
 from service.recipe import check_precision, lr_at, needs_global_norm, step_update
 from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
@@ -361,17 +362,17 @@ class StageWorker:
                         batch_norm=t.batch_norm)
         copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
         norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
-        holder = {i: c.owner(vs) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
-        ties = TiedGrads(self.recipe.tied, self.stage, holder, c.pp_rank)
-        if c.replicas and any(len(h.stages) > 1 and any(c.replicas[s] > 1 for s in h.stages) for h in ties.held):
+        # the worker holding each layer, as the transport names it: its stage, or with replicated
+        # stages its slot (a tie's stages have one worker each: replica 0's)
+        holder = {i: c.peer(vs, c.mb0) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
+        ties = TiedGrads(self.recipe.tied, self.stage, holder, c.index)
+        if c.replicas and any(len(h.stages) > 1 and any(c.replicas[stage_of(c.replicas, w)[0]] > 1 for w in h.stages)
+                              for h in ties.held):
             raise ValueError(
                 "the model ties parameters across pipeline stages (e.g. a token embedding and the output head) and "
                 f"a stage holding them is replicated (parallelism.replicas {list(c.replicas)}): relaytrain does not "
                 "sum a tie's gradients between replicated stages yet; give those stages 1 replica, or cut the "
                 "model so that the tied layers share a stage")
-        if c.replicas:  # the tie's stages have one worker each: the transport names them by slot
-            slot = {i: c.peer(vs, c.mb0) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
-            ties = TiedGrads(self.recipe.tied, self.stage, slot, c.index)
         self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
                                  self.mbs / self.B, ties,
                                  recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)
