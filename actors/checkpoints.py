@@ -87,7 +87,8 @@ class CheckpointWriter:
                 self.known = self._scan.result(timeout=self.timeout)
             folder = checkpoint.begin(self.root, step, clean=step in self.known)
             self.known.add(step)
-            first = [g.workers[(0, g.shape.slot(s))] for s in range(g.shape.pp)]  # replica 0 of each stage
+            # replica 0 of each stage (every rank of its TP group: they gather, rank 0 writes)
+            first = [g.workers[(0, g.shape.slot(s, j))] for s in range(g.shape.pp) for j in range(g.shape.tp)]
             started = [w.save_part.remote(str(folder), step) for w in first]
             ray.get(started, timeout=self.timeout)
             refs = [w.part_written.remote(step) for w in first]
@@ -122,7 +123,7 @@ class CheckpointWriter:
         """Check the parts, write the manifest last, and say so (a ``checkpoint`` event)."""
         if not written:
             raise JobFailure(f"its parts were not written within {self.timeout:.0f} s")
-        parts = ray.get(f["refs"])
+        parts = [p for p in ray.get(f["refs"]) if p is not None]
         path = checkpoint.finish(self.root, f["folder"], f["step"], parts, dict(self.meta), keep=self.keep)
         step, upload_s = f["step"], time.monotonic() - f["t0"]
         self.written = (step, str(path))

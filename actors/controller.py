@@ -166,7 +166,7 @@ class JobController:
             return shape, why
         sizes = partition.choose(p.partition, facts.layers, p.virtual_stages, facts.seconds if self.layers.profiled else None)
         return planner.model_shape(facts, p.dp, p.pp, self.spec.microbatches, partition_rule=list(sizes),
-                                   chunks=p.chunks, replicas=p.replica_counts, **model), "the spec's shape"
+                                   chunks=p.chunks, replicas=p.replica_counts, tp=p.tp, **model), "the spec's shape"
 
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
                    joined: int = 0) -> policy.Situation:
@@ -265,7 +265,7 @@ class JobController:
         spec, rec, shape = self.spec, self.record, self.group.shape
         rec.log_output({c: st.pop("output", []) for c, st in stats.items()})
         row = metrics_row(step, stats, wall, batch=spec.training.global_batch_size, dp=shape.dp, pp=shape.pp,
-                          replicas=shape.replicas, stage_costs=shape.stage_costs,
+                          replicas=shape.replicas, stage_costs=shape.stage_costs, tp=shape.tp,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches, chunks=shape.chunks,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
                           lr=lr_at(spec, step + 1))

@@ -83,6 +83,15 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
     if gpus and workers * gpus > res.get("GPU", 0):
         raise SpecError(f"the job needs {workers * gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}; "
                         "lower resources.gpus_per_worker or dp x pp")
+    tp = spec.parallelism.tp
+    if tp > 1 and max_cpus is None:  # a TP group is placed on one node (an autoscaler may add bigger ones)
+        nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
+        per = {"CPU": tp * spec.resources.cpus_per_worker, **({"GPU": tp * gpus} if gpus else {})}
+        if not any(all(n.get(k, 0) >= v for k, v in per.items()) for n in nodes):
+            most = max((n.get("CPU", 0) for n in nodes), default=0)
+            raise SpecError(f"parallelism.tp {tp} places each stage's {tp} workers on one node ({per}), but the "
+                            f"largest node has {most:g} CPUs{' and ' + str(max(n.get('GPU', 0) for n in nodes)) + ' GPUs' if gpus else ''}: "
+                            "lower parallelism.tp or resources.cpus_per_worker, or add a larger node")
 
 
 def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: Optional[dict] = None,

@@ -101,6 +101,8 @@ class JobRecord:
         if shape.replicas:  # workers per stage (replicated stages), and the stage costs their orders are planned with
             info["replicas"] = list(shape.replicas)
             info["stage_costs"] = list(shape.stage_costs)
+        if shape.tp > 1:  # each stage's layers split over tp workers (tensor parallelism)
+            info["tp"] = shape.tp
         if usable:  # an elastic job: the worker counts its planner uses whole (for the cluster scheduler)
             info["usable_workers"] = list(usable)
         bounds = partition.bounds(shape.sizes)
@@ -109,7 +111,8 @@ class JobRecord:
             info["portals"] = [q for q in portals if q[0] != q[1]]
         self.set_shape(info)
         per = "stage" if shape.chunks == 1 else f"model chunk ({shape.chunks} per worker)"
-        reps = f", workers per stage {list(shape.replicas)}" if shape.replicas else ""
+        reps = (f", workers per stage {list(shape.replicas)}" if shape.replicas else "") + (
+            f" x tp={shape.tp} (each stage's layers split over {shape.tp} workers)" if shape.tp > 1 else "")
         self.event("shape", f"shape dp={shape.dp} x pp={shape.pp}{reps}, layers per {per} {list(shape.sizes)}, "
                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
                    f"transport {p.transport} ({why})", **info, reason=why, layer_costs_s=costs)
@@ -174,12 +177,12 @@ def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1) -> float:
 
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
                 microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
-                chunks: int = 1, replicas: tuple = (), stage_costs: tuple = ()) -> dict:
+                chunks: int = 1, replicas: tuple = (), stage_costs: tuple = (), tp: int = 1) -> dict:
     """The metrics row of committed step ``step + 1`` from every worker's step result (keyed
-    (dp rank, slot): with ``replicas``, a pipeline's workers are numbered stage by stage)."""
+    (dp rank, slot): with ``replicas`` or ``tp``, a pipeline's workers are numbered stage by stage)."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
     skipped = any(s.get("skipped") for s in stats.values())
-    reps = tuple(replicas) or (1,) * pp
+    reps = tuple(replicas) or (tp,) * pp
     width = sum(reps)
     of_stage = [[rp.slot_of(reps, s, j) for j in range(reps[s])] for s in range(pp)]  # each stage's slots
     utils = []
@@ -197,7 +200,7 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
             # bytes the first worker of each stage of replica 0 received from other workers, by kind
             # (act, grad, skip, skipgrad)
             "received_bytes": [dict(stats[(0, slots[0])].get("received", {})) for slots in of_stage],
-            **({"replicas": list(replicas)} if replicas else {}),
+            **({"replicas": list(replicas)} if replicas else {}), **({"tp": tp} if tp > 1 else {}),
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
             **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {}),

@@ -128,6 +128,8 @@ class Cell:
     replicas: tuple = ()              # workers per stage (service/replicas.py); (): one each
     rep: int = 0                      # which replica of its stage this worker is
     slot: int = -1                    # its index among its pipeline's workers (pp_rank without replicas)
+    tp: int = 1                       # workers of its stage's tensor-parallel group (actors/tensorpar.py)
+    tp_rank: int = 0                  # its rank in that group: it talks to the same rank of other stages
 
     @property
     def index(self) -> int:
@@ -137,13 +139,15 @@ class Cell:
     @property
     def width(self) -> int:
         """Workers of its pipeline."""
-        return sum(self.replicas) if self.replicas else self.pp
+        return sum(self.replicas) if self.replicas else self.pp * self.tp
 
     def peer(self, vs: int, g: int) -> int:
         """The worker (index in the pipeline's row) that runs virtual stage ``vs`` for global
         microbatch ``g`` (evaluation microbatches too): the stage's owner, or with replicated
         stages its replica ``replicas.replica_of`` names."""
         s = self.owner(vs)
+        if self.tp > 1:  # its own TP rank of that stage (every rank of a TP group runs every microbatch)
+            return s * self.tp + self.tp_rank
         if not self.replicas:
             return s
         return replicas_.slot_of(self.replicas, s, replicas_.replica_of(g - self.mb0, self.replicas[s]))
@@ -196,6 +200,10 @@ class Cell:
         reps = tuple(cfg.get("replicas") or ())
         reps = reps if any(k > 1 for k in reps) else ()
         slot = cfg.get("slot", s)
+        tp = cfg.get("tp", 1)
+        if tp > 1:
+            s = slot // tp
+            mine = tuple(schedules.chunks_of(s, pp, v, where))
         if reps:  # replicated stages: this worker's list of its pipeline's step (service/replicas.py)
             s, rep = replicas_.stage_of(reps, slot)
             mine = (s,)
@@ -205,7 +213,7 @@ class Cell:
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
                    actions, boundary, V, where, name in schedules.SPLIT,
                    routes=portals.routes(skips, bounds), skips=len(skips), replicas=reps, rep=rep,
-                   slot=slot if reps else -1)
+                   slot=slot if reps or tp > 1 else -1, tp=tp, tp_rank=slot % tp if tp > 1 else 0)
         for a in cell.actions:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
@@ -331,7 +339,8 @@ class StepRunner:
         if aborted():
             raise StageAborted(f"step {step + 1} was discarded")
         t_end = time.time()
-        return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "rep": c.rep, "loss": float(p.loss_sum) if c.last else None,
+        return {"dp_rank": c.dp_rank, "pp_rank": c.pp_rank, "rep": c.rep,
+                "loss": float(p.loss_sum) if c.last and c.tp_rank == 0 else None,  # a TP group's ranks agree
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total, "received": p.received}
@@ -467,7 +476,7 @@ class StepRunner:
             self.stage.train(was_training)
         if aborted():
             raise StageAborted(f"the evaluation after step {step} was discarded")
-        return {"loss_sum": float(loss_sum) if c.last else None, "timeline": timeline}
+        return {"loss_sum": float(loss_sum) if c.last and c.tp_rank == 0 else None, "timeline": timeline}
 
     def take_norm_update(self):
         """The last step's BatchNorm buffer update (a callable), or None; applied at the commit."""
@@ -483,7 +492,8 @@ class StepRunner:
         sq = torch.zeros((), dtype=torch.float64, device=self.recipe.device)
         for q in self.norm_params:
             if q.grad is not None:  # each tensor's norm in its dtype (no copy), as clip_grad_norm_
-                sq += torch.linalg.vector_norm(q.grad).double() ** 2
+                g = q.grad.to_local() if hasattr(q.grad, "to_local") else q.grad  # a TP rank's slice
+                sq += torch.linalg.vector_norm(g).double() ** 2
         if not self.recipe.global_norm:
             return float(sq), None
         with talking_to_peers(f"summing the gradient norm of step {step + 1} over every worker"):

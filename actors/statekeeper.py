@@ -187,12 +187,13 @@ class StateKeeper:
         return _on_storage(checkpoint.resolve(self.resume)) if self.resume else None
 
     def _from_stages(self, method: str, committed: int, *args) -> list:
-        """``method`` of replica 0's worker of every stage, in stage order."""
+        """``method`` of replica 0's worker of every stage, in stage order (with tensor-parallel
+        stages every rank of replica 0's group takes part: rank 0 answers)."""
         g = self.group
-        first = [(0, g.shape.slot(s)) for s in range(g.shape.pp)]  # replica 0 of each stage
+        first = [(0, g.shape.slot(s, j)) for s in range(g.shape.pp) for j in range(g.shape.tp)]
         out = g.gather({c: getattr(g.workers[c], method).remote(*args) for c in first},
                        None, self.timeout, phase=f"while writing its state at step {committed}")
-        return [out[c] for c in first]
+        return [out[c] for c in first if out[c] is not None]
 
     def write_final(self, committed: int, out: dict) -> dict:
         """Every stage writes its shard of the final model (service/shards.py) where ``out``

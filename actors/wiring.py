@@ -9,6 +9,7 @@ from typing import Optional
 
 from actors.collectives import GradBuckets, Group, SharedMemorySum
 from actors.stage import Cell, GradientReducer, Transport
+from actors.tensorpar import LocalGradSum, TensorParallel
 from actors.transport import CollectiveTransport, Inbox, ObjectStoreTransport
 
 # Gradient buckets of the data-parallel all-reduce (see actors/collectives.GradBuckets).
@@ -39,15 +40,20 @@ class Wiring:
         self.transport: Optional[Transport] = None
         self.buckets: Optional[GradientReducer] = None  # the stage's gradient sum (dp > 1)
         self.stage_group = None
+        self.tp: Optional[TensorParallel] = None  # the stage's tensor-parallel group (parallelism.tp > 1)
 
     def connect(self, c: Cell, stage, device, transport: str, row: tuple, rdzv: Optional[tuple], world: int, *,
-                inbox: Inbox, timeout: float, node: str, tag: str) -> None:
+                inbox: Inbox, timeout: float, node: str, tag: str, shard=None) -> None:
         """Join the shape's process group (when ``rdzv`` names one) and set up the transport;
-        ``row``: the actors of every stage of this worker's replica."""
+        ``row``: the actors of every stage of this worker's replica.  With a tensor-parallel
+        stage, ``shard(tp)`` splits the stage's layers once the TP group exists."""
         self.leave()
         if rdzv is not None:
             backend = "nccl" if device.type == "cuda" else "gloo"
             self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.width + c.index, world, timeout)
+            if c.tp > 1:
+                self.tp = self._tp_group(c, device)
+                shard(self.tp)
             if c.dp > 1 or c.replicas:
                 self.buckets = self._stage_reducer(c, stage, device, node, tag)
         if transport == "collective":
@@ -59,6 +65,13 @@ class Wiring:
         """The sum of the stage's gradients over its workers (data-parallel replicas, and the
         replicas of a replicated stage): shared memory on one node, else gloo / NCCL buckets.
         Every rank creates every stage's group, in the same order."""
+        if c.tp > 1:  # a TP rank sums with the same rank of the stage's other data-parallel replicas
+            for s in range(c.pp):
+                for j in range(c.tp):
+                    g = self.group.new_group([r * c.width + s * c.tp + j for r in range(c.dp)])
+                    if (s, j) == (c.pp_rank, c.tp_rank):
+                        self.stage_group = g
+            return LocalGradSum(list(stage.parameters()), self.stage_group, BUCKET_BYTES) if c.dp > 1 else None
         reps = c.replicas or (1,) * c.pp
         for s in range(c.pp):
             first = sum(reps[:s])
@@ -77,8 +90,21 @@ class Wiring:
         overlap = overlap and len(c.chunks) == 1 and not c.split  # several chunks or W actions: summed after the step
         return GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
 
+    def _tp_group(self, c: Cell, device) -> TensorParallel:
+        """The TP group of this worker's stage (and a second one of the same ranks for gathering
+        whole state beside a running step).  Every rank creates every group, in the same order."""
+        mine = gather = None
+        for r in range(c.dp):
+            for s in range(c.pp):
+                ranks = [r * c.width + s * c.tp + j for j in range(c.tp)]
+                g, g2 = self.group.new_group(ranks), self.group.new_group(ranks)
+                if (r, s) == (c.dp_rank, c.pp_rank):
+                    mine, gather = g, g2
+        return TensorParallel(mine, gather, c.tp_rank, c.tp, device.type)
+
     def leave(self) -> None:
         self.stage_group = None
+        self.tp = None
         if self.buckets is not None:
             self.buckets.close()
             self.buckets = None

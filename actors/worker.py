@@ -137,12 +137,27 @@ class StageWorker:
             self._settle(committed)
             return self.applied
 
-    def _state(self, layers: Optional[set[int]] = None) -> dict:
+    @property
+    def tp(self):
+        """The stage's tensor-parallel group (actors/tensorpar.py), or None."""
+        return self.wiring.tp
+
+    def _whole(self) -> tuple[dict, dict]:
+        """The stage's state dict and optimizer state by name, whole: a tensor-parallel stage's
+        split entries gathered over its group (every rank of the group calls this)."""
         names = self.param_names
+        model = dict(self.stage.state_dict())
         opt = optimizer_state_by_name(self.optimizer, names) if self.optimizer else {"state": {}, "groups": None}
+        if self.tp is not None:
+            with talking_to_peers("gathering the stage's split state over its tensor-parallel group"):
+                model, opt = self.tp.full_state(model), self.tp.full_optim(opt)
+        return model, opt
+
+    def _state(self, layers: Optional[set[int]] = None) -> dict:
+        model, opt = self._whole()
         keep = (lambda n: True) if layers is None else (lambda n: layer_of(n) in layers)
         return {"step": self.applied,
-                "model": {k: clone(v) for k, v in self.stage.state_dict().items() if keep(k)},
+                "model": {k: clone(v) for k, v in model.items() if keep(k)},
                 "optim": {"state": {k: clone(v) for k, v in opt["state"].items() if keep(k)},
                           "groups": opt["groups"]}}
 
@@ -209,16 +224,25 @@ class StageWorker:
         with self._lock:
             self._committed(committed)
             params = {n for n, _ in self.stage.named_parameters()}
-            live = {"model": {k: v if k in params else clone(v) for k, v in self.stage.state_dict().items()},
-                    "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
+            if self.tp is not None:  # gathered now (new tensors); TP rank 0 writes the stage's part
+                model, optim = self._whole()
+                live = {"model": model, "optim": optim}
+                if self.cell.tp_rank > 0:
+                    return time.perf_counter() - t0
+            else:
+                live = {"model": {k: v if k in params else clone(v) for k, v in self.stage.state_dict().items()},
+                        "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
         index, count = self.cell.pp_rank, self.cell.pp
         copy = clone if self.uploads.busy() else self.uploads.copy  # reused memory unless one still runs
         self.uploads.start(committed, lambda: copy(live),
                            lambda state: checkpoint.write_part(folder, index, count, state["model"], state["optim"]))
         return time.perf_counter() - t0
 
-    def part_written(self, committed: int) -> dict:
-        """The entry of this stage's part of step ``committed``'s checkpoint, once written."""
+    def part_written(self, committed: int) -> Optional[dict]:
+        """The entry of this stage's part of step ``committed``'s checkpoint, once written (None
+        on a tensor-parallel rank other than 0: rank 0 writes the stage's whole part)."""
+        if self.cell.tp_rank > 0:
+            return None
         return self.uploads.wait(committed)
 
     def write_final(self, committed: int, out: dict) -> dict:
@@ -227,8 +251,10 @@ class StageWorker:
         artifact ``model/<shard>``).  Returns its index entry."""
         with self._lock:
             self._committed(committed)
-            tensors = dict(self.stage.state_dict())
+            tensors = self._whole()[0] if self.tp is not None else dict(self.stage.state_dict())
         c = self.cell
+        if c.tp_rank > 0:  # TP rank 0 writes the stage's whole shard
+            return None
         if out.get("dir"):
             return shards.write_shard(out["dir"], c.pp_rank, c.pp, tensors)
         name = shards.shard_name(c.pp_rank, c.pp)
@@ -263,6 +289,8 @@ class StageWorker:
             committed = cell["committed"]
             self._settle(committed)
             incoming = self._fetch(sources)
+            if self.cell is not None and self.cell.tp > 1:  # split under the old group: built anew, state from copies
+                self.layers, self.optimizer, self.param_names = {}, None, []
             self.cell = Cell.from_config(cell, self.spec.microbatches)
             held = [i for lo, hi in self.cell.ranges for i in range(lo, hi)]
             old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
@@ -355,13 +383,16 @@ class StageWorker:
         ``row``: the actors of every stage of this worker's replica."""
         c = self.cell
         self.wiring.connect(c, self.stage, self.device, transport, row, rdzv, world, inbox=self.inbox,
-                            timeout=self.timeout, node=self.node_id(), tag=f"{self.job_id}-g{self.gen}-s{c.pp_rank}")
+                            timeout=self.timeout, node=self.node_id(), tag=f"{self.job_id}-g{self.gen}-s{c.pp_rank}",
+                            shard=self._shard)
         t = self.spec.training
         recipe = Recipe(bf16=t.precision == "bf16", checkpointing=t.activation_checkpointing,
                         global_norm=needs_global_norm(self.spec), device=self.device, seed=t.seed,
                         batch_norm=t.batch_norm)
         copies = {n for group in self.recipe.tied for n in group[1:]}  # a tie counts once: its first name
-        norm_params = [q for n, q in self.stage.named_parameters() if n not in copies]
+        # a TP group's ranks each count their slices of split parameters, the others once (rank 0)
+        norm_params = [q for n, q in self.stage.named_parameters()
+                       if n not in copies and (c.tp_rank == 0 or not self.tp.replicated(n))]
         # the worker holding each layer, as the transport names it: its stage, or with replicated
         # stages its slot (a tie's stages have one worker each: replica 0's)
         holder = {i: c.peer(vs, c.mb0) for vs, (lo, hi) in enumerate(self.bounds) for i in range(lo, hi)}
@@ -377,6 +408,20 @@ class StageWorker:
                                  self.mbs / self.B, ties,
                                  recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)
         return True
+
+    def _shard(self, tp) -> None:
+        """Split the stage's layers over its tensor-parallel group (actors/tensorpar.py), the
+        optimizer's state with them: each rank keeps its slices (the whole tensors go)."""
+        if any(hasattr(q, "device_mesh") for q in self.stage.parameters()):
+            raise RuntimeError(f"{self!r}: its layers are split already (a new group needs a new configure)")
+        old = optimizer_state_by_name(self.optimizer, self.param_names)
+        tp.shard(self.stage)
+        self.param_names = [n for n, _ in self.stage.named_parameters()]
+        self.optimizer = build_optimizer(self.spec, self.stage.parameters())
+        if old["state"]:
+            load_optimizer_state(self.optimizer, self.param_names,
+                                 tp.local_optim(old, dict(self.stage.named_parameters())))
+        gc.collect()
 
     def _leave_group(self) -> None:
         self.wiring.leave()

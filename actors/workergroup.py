@@ -68,12 +68,13 @@ class WorkerGroup:
         spec_dict = self.spec.model_dump(mode="json")
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
                                 "namespace": names.NAMESPACE}
-        if not self.elastic:  # a fixed shape is placed all at once, packed
-            self._reserve(len(cells), {"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})})
+        tp = self.spec.parallelism.tp
+        if not self.elastic:  # a fixed shape is placed all at once, packed; a TP group in one bundle (one node)
+            self._reserve(len(cells) // tp, {"CPU": cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})})
         out = {}
         for i, (r, s) in enumerate(cells):
             name = actor_names[i] if actor_names else names.worker_name(self.job_id, r, s, self.gen + 1 if self.gen else 0)
-            extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i)} if self.pg else {}
+            extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i // tp)} if self.pg else {}
             h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
             self.names[h._actor_id.hex()] = name
             out[(r, s)] = h
@@ -154,7 +155,7 @@ class WorkerGroup:
         self.gen += 1
         calls = {(r, s): h.configure.remote(
             {"gen": self.gen, "dp_rank": r, "pp_rank": shape.stage_of(s), "slot": s, "replicas": list(shape.replicas),
-             "stage_costs": list(shape.stage_costs),
+             "stage_costs": list(shape.stage_costs), "tp": shape.tp,
              "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds, "boundary": boundary, "schedule": p.schedule,
              "chunks": shape.chunks, "committed": committed, "skips": self.skips}, sources.get((r, s), []))
             for (r, s), h in assign.items()}
@@ -171,7 +172,7 @@ class WorkerGroup:
 
     def _connect(self, shape: planner.Shape, phase: str) -> None:
         p = self.spec.parallelism
-        need_group = (p.transport == "collective" or shape.dp > 1 or bool(shape.replicas)
+        need_group = (p.transport == "collective" or shape.dp > 1 or bool(shape.replicas) or shape.tp > 1
                       or needs_global_norm(self.spec))
         rdzv = ray.get(self.workers[(0, 0)].rendezvous_address.remote()) if need_group else None
         conns = {(r, s): w.connect.remote(p.transport, tuple(self.workers[(r, t)] for t in range(shape.width)),

@@ -353,7 +353,8 @@ def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
     kwargs = spec.optimizer.kwargs()
     if (cls in (torch.optim.Adam, torch.optim.AdamW) and "fused" not in kwargs and "foreach" not in kwargs
             and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-            and len({p.device.type for p in params}) == 1):
+            and len({p.device.type for p in params}) == 1
+            and not any(hasattr(p, "device_mesh") for p in params)):  # DTensor (tensor-parallel) parameters
         # one kernel per tensor and no temporaries: the default single-tensor Adam allocates two
         # of each parameter's size (its sqrt and division), 2x the largest tensor at the peak
         try:
@@ -433,6 +434,8 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     return, layer count against pp, optimizer arguments, and one microbatch through the
     model and the loss, on the meta device (no memory; see service/tracing.py)."""
     rec = check_structure(spec, search)
+    if spec.parallelism.tp > 1:
+        check_tensor_plans(rec, spec.parallelism.tp)
     if not spec.resources.gpus_per_worker:  # GPU workers check their own device (actors/worker.py)
         check_precision(spec, gpus=False)
     samples = build_data(spec, search)
@@ -442,6 +445,26 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
     return t
+
+
+def check_tensor_plans(rec: "ModelRecipe", tp: int) -> None:
+    """Every layer's ``tp_plan`` names Linear submodules and splits them over ``tp`` ranks
+    (service/tensorplan.py), checked on the meta device; a model with no plan at all gains
+    nothing from tp and is refused."""
+    from service import tensorplan
+
+    layers = rec.build(range(rec.count), "meta")
+    planned = 0
+    for i in range(rec.count):
+        try:
+            tensorplan.check_layer(i, layers[i], tp)
+        except ValueError as e:
+            raise SpecError(f"parallelism.tp: {e}") from None
+        planned += bool(tensorplan.plan_of(layers[i]))
+    if not planned:
+        raise SpecError(f"parallelism.tp {tp}: no layer of the model has a tp_plan, so every TP rank would compute "
+                        "the whole model; give the layers to split a tp_plan (a dict like {'mlp.fc': 'colwise', "
+                        "'mlp.proj': 'rowwise'}), or set tp 1")
 
 
 def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> None:

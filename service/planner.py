@@ -103,11 +103,12 @@ class Shape:
     placement: str = "loop"            # how chunks sit on workers (service/schedules.py: placement)
     replicas: tuple[int, ...] = ()     # workers per stage (parallelism.replicas); (): one each
     stage_costs: tuple[float, ...] = ()  # with replicas: each stage's modelled seconds per microbatch (orders the plan)
+    tp: int = 1                        # workers of each stage's tensor-parallel group (parallelism.tp)
 
     @property
     def reps(self) -> tuple[int, ...]:
-        """Workers per stage (1 each when no stage is replicated)."""
-        return self.replicas or (1,) * self.pp
+        """Workers per stage: its replicas, or its tensor-parallel group (1 each by default)."""
+        return self.replicas or (self.tp,) * self.pp
 
     @property
     def width(self) -> int:
@@ -115,7 +116,7 @@ class Shape:
         return sum(self.reps)
 
     def slot(self, stage: int, rep: int = 0) -> int:
-        """The slot (a pipeline's worker index) of replica ``rep`` of ``stage``."""
+        """The slot (a pipeline's worker index) of replica (or TP rank) ``rep`` of ``stage``."""
         return replicas_.slot_of(self.reps, stage, rep)
 
     def stage_of(self, slot: int) -> int:
@@ -158,10 +159,12 @@ class Shape:
     @property
     def key(self) -> tuple:
         """What names the shape to the policy: (dp, pp), and its replicas when a stage has several."""
-        return (self.dp, self.pp, self.replicas) if self.replicas else (self.dp, self.pp)
+        return (self.dp, self.pp, self.replicas) if self.replicas else (self.dp, self.pp) + ((self.tp,) if self.tp > 1
+                                                                                            else ())
 
     def label(self) -> str:
-        return f"{self.dp}x{self.pp}" + (f" replicas {replicas_.label(self.replicas)}" if self.replicas else "")
+        return f"{self.dp}x{self.pp}" + (f" replicas {replicas_.label(self.replicas)}" if self.replicas else "") + (
+            f"x{self.tp} (tp)" if self.tp > 1 else "")
 
 
 @dataclass(frozen=True)
@@ -192,10 +195,12 @@ def hop_seconds(transport: str, nbytes: int) -> float:
 def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, schedule: str = "1f1b",
                 transport: str = "collective", optimizer: str = "adam",
                 partition_rule: Union[str, list[int]] = "balanced", chunks: int = 1,
-                replicas: Sequence[int] = ()) -> Shape:
+                replicas: Sequence[int] = (), tp: int = 1) -> Shape:
     """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp x chunks <=
     layers); ``chunks``: model chunks per worker, as the schedule requires (see the module's
-    docstring); ``replicas``: workers per stage (replicated stages, service/replicas.py)."""
+    docstring); ``replicas``: workers per stage (replicated stages, service/replicas.py); ``tp``:
+    each stage's layers split over tp workers (modelled as 1/tp of the compute and of the
+    parameters: the planner does not know which layers have a plan)."""
     _check_chunks(schedule, chunks)
     replicas = tuple(replicas) if any(r > 1 for r in replicas) else ()
     m = microbatches // dp
@@ -246,6 +251,8 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
         costs = tuple(per_stage) if any(facts.seconds) else ()  # no layer costs known: the orders assume equal stages
         return Shape(dp, pp, tuple(sizes), m, step, mem, chunks=chunks, placement=where, replicas=replicas,
                      stage_costs=costs)
+    if tp > 1:
+        return Shape(dp, pp, tuple(sizes), m, (units * slot + ar) / tp, mem // tp, chunks=chunks, placement=where, tp=tp)
     return Shape(dp, pp, tuple(sizes), m, units * slot + ar, mem, chunks=chunks, placement=where)
 
 

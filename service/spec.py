@@ -162,6 +162,10 @@ class ParallelismSpec(_Strict):
                           "microbatch k of a stage with r workers runs on its replica k mod r, and the replicas' "
                           "gradients are summed as data parallelism's; 'auto': the planner uses each pipeline's pp "
                           "workers as it models fastest (fewer stages, some replicated) from measured layer costs")
+    tp: int = Field(
+        1, ge=1, description="tensor parallelism inside each stage: its layers split over tp workers on one node "
+                             "(each layer's tp_plan: 'colwise' / 'rowwise' / 'packed_colwise' Linear submodules; "
+                             "layers without a plan are replicated); a job has dp x pp x tp workers")
 
     @property
     def replica_counts(self) -> tuple[int, ...]:
@@ -170,8 +174,8 @@ class ParallelismSpec(_Strict):
 
     @property
     def pipeline_workers(self) -> int:
-        """Workers of one pipeline: sum(replicas), or pp."""
-        return sum(self.replica_counts) or self.pp
+        """Workers of one pipeline: sum(replicas), or pp x tp."""
+        return sum(self.replica_counts) or self.pp * self.tp
 
     @property
     def chunks(self) -> int:
@@ -214,6 +218,15 @@ class ParallelismSpec(_Strict):
             raise ValueError(f"parallelism.replicas runs with schedule 1f1b or gpipe (each replica takes every r-th "
                              f"microbatch through one model chunk), not {self.schedule}: set parallelism.schedule "
                              "to 1f1b or gpipe, or leave replicas out")
+        if self.tp > 1:
+            if self.replicas is not None and (self.replicas == "auto" or any(r > 1 for r in self.replicas)):
+                raise ValueError(f"parallelism.tp {self.tp} and parallelism.replicas cannot be combined in one job yet "
+                                 "(a replicated stage's workers split its microbatches, a TP group's split its "
+                                 "layers): use one of them")
+            if self.schedule not in ("gpipe", "1f1b"):
+                raise ValueError(f"parallelism.tp {self.tp} runs with schedule 1f1b or gpipe, not {self.schedule} "
+                                 "(the split backward and the several chunks per worker of the other schedules are "
+                                 "not built for tensor-parallel layers yet): set parallelism.schedule to 1f1b or gpipe")
         if self.layer_costs_ms is not None and (not self.layer_costs_ms or min(self.layer_costs_ms) < 0):
             raise ValueError("parallelism.layer_costs_ms: give one non-negative cost per layer")
         return self
@@ -329,6 +342,13 @@ class JobSpec(_Strict):
                 f"the preferred shape parallelism.dp x parallelism.pp ({p.dp} x {p.pipeline_workers} = "
                 f"{p.dp * p.pipeline_workers} workers) must lie within elastic.min_workers..max_workers "
                 f"({e.min_workers}..{e.max_workers})")
+        if p.tp > 1 and e.enabled:
+            raise ValueError(f"parallelism.tp {p.tp} is not elastic yet: a reshape moves whole layers between workers, "
+                             "and a tensor-parallel stage's layers are split over its TP group; set elastic.enabled "
+                             "false (a fixed shape; checkpoints resume at any dp, pp and tp), or use tp 1")
+        if p.tp > 1 and t.batch_norm == "global":
+            raise ValueError("training.batch_norm: global is not built for tensor-parallel stages (parallelism.tp "
+                             f"{p.tp}): use batch_norm: deferred")
         reps = p.replica_counts
         if reps and self.microbatches // p.dp < max(reps):
             raise ValueError(

@@ -154,7 +154,8 @@ def test_tp_plan_names_and_local_shards():
     blk = mod.Block(32, 4, n_layers=2, dtype=torch.float64)
     subs = dict(blk.named_modules())
     for name, style in mod.Block.tp_plan.items():
-        assert isinstance(subs[name], nn.Linear) and style in ("colwise", "rowwise")
+        assert isinstance(subs[name], nn.Linear) and style in ("colwise", "rowwise", "packed_colwise")
+    assert mod.Block.tp_packed == {"attn.qkv": 3}  # q | k | v: each split on its own
 
     # a 2-way split by hand: each rank's attention/MLP runs on its local width only
     ranks, d = 2, 32

@@ -37,11 +37,12 @@ vocab      seq_len  d_model  n_layers  n_heads  parameters       train state
 
 Without the tie add vocab * d_model (e.g. 103,022,592 at vocab 50304, d 2048).
 
-Tensor parallelism (not used yet): ``Block.tp_plan`` names the Linear layers to split.
-``forward`` derives the number of heads from the local width, so a shard works as long as
-a column-wise split of the fused ``attn.qkv`` gives each rank the same heads of q, k and v
-(view the weight as (3, d, d) and split its second dimension, keeping the q|k|v order),
-and a row-wise ``proj`` output is summed over ranks with its bias added once.
+Tensor parallelism (``parallelism.tp``, service/tensorplan.py): ``Block.tp_plan`` splits the
+fused ``attn.qkv`` as a packed column-wise layer of 3 parts (rank j holds the j-th slice of
+each of q, k and v, so its ``chunk(3)`` still gives its heads of q, k and v), ``attn.proj``
+row-wise, ``mlp.fc`` column-wise and ``mlp.proj`` row-wise (Megatron-LM's plan: two
+all-reduces forward and two backward per block).  ``forward`` derives the number of heads
+from the local width.
 """
 from __future__ import annotations
 
@@ -123,7 +124,8 @@ class Block(nn.Module):
     ``n_layers`` is the model's depth: the residual projections start with std
     0.02 / sqrt(2 * n_layers), as in GPT-2."""
 
-    tp_plan = {"attn.qkv": "colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    tp_plan = {"attn.qkv": "packed_colwise", "attn.proj": "rowwise", "mlp.fc": "colwise", "mlp.proj": "rowwise"}
+    tp_packed = {"attn.qkv": 3}  # q | k | v side by side
 
     def __init__(self, d_model: int, n_heads: int, mlp_ratio: int = 4, n_layers: int = 1,
                  dtype: Optional[torch.dtype] = None):
