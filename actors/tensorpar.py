@@ -126,6 +126,8 @@ class LocalGradSum:
     backward, every parameter's local gradient (a split one's slice) summed over the stage's
     data-parallel group, flattened in buckets of ``bucket_bytes``."""
 
+    overlap = False  # summed after the step's last backward, not during it
+
     def __init__(self, params: list, group, bucket_bytes: int):
         self.params, self.group, self.bucket_bytes = [p for p in params if p.requires_grad], group, bucket_bytes
 

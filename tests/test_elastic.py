@@ -416,3 +416,18 @@ def test_a_lost_replica_of_a_replicated_stage_leaves_the_job_going_on_the_others
     assert reshape["old_shape"] == [1, 3, [1, 2, 1]] and reshape["new_shape"] == [1, 3]
     assert reshape["steps_lost"] == 0 and reshape["layers_moved"] == 0
     assert "no state moves" in reshape["message"]
+
+
+def test_a_tp_group_larger_than_any_node_is_refused(cluster):
+    """4 nodes of 1 CPU hold 4 workers, but not a TP group of 2 on one node: refused before any
+    actor starts, saying so (unless an autoscaler may add larger nodes)."""
+    from actors import launch
+    from service.spec import SpecError
+    from tests.test_tensor_parallel import tp_spec
+
+    with_nodes(cluster, 4)
+    spec = tp_spec("unused.bin", 1, 2, 2)
+    with pytest.raises(SpecError) as e:
+        launch.check_fits(spec)
+    assert "places each stage's 2 workers on one node" in str(e.value) and "largest node has 1 CPUs" in str(e.value)
+    launch.check_fits(spec, max_cpus=64)  # an autoscaler's ceiling: nodes may come larger
