@@ -201,6 +201,10 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
             # (act, grad, skip, skipgrad)
             "received_bytes": [dict(stats[(0, slots[0])].get("received", {})) for slots in of_stage],
             **({"replicas": list(replicas)} if replicas else {}), **({"tp": tp} if tp > 1 else {}),
+            # bytes the layers' tensor-parallel collectives moved this step on TP rank 0 of each stage of replica 0
+            **({"tp_bytes": [stats[(0, slots[0])].get("tp_bytes", 0) for slots in of_stage],
+                "tp_collectives": [stats[(0, slots[0])].get("tp_collectives", 0) for slots in of_stage]}
+               if tp > 1 else {}),
             "allreduce_s": max(s["allreduce_s"] for s in stats.values()), "reshapes": reshapes,
             **({"snapshot_s": snapshot_s} if snapshot_s is not None else {}),
             **({"rerun": True} if rerun else {}), **({"skipped": True} if skipped else {}),

@@ -32,6 +32,7 @@ class TensorParallel:
         from torch.distributed.device_mesh import DeviceMesh
 
         self.mesh = DeviceMesh.from_group(group, device_type, mesh_dim_names=("tp",))
+        CollectiveBytes.install()
         self.gather_group = gather_group
         self.rank, self.size = rank, size
         self.splits: dict[str, Split] = {}   # stage parameter name -> how it is split
@@ -119,6 +120,45 @@ class TensorParallel:
                                              run_check=False) if torch.is_tensor(v) and v.dim() > 0 else v)
                       for k, v in s.items()}
         return {"state": out, "groups": state["groups"]}
+
+
+class CollectiveBytes:
+    """Payload bytes of the collectives DTensor runs inside the layers (the functional
+    collectives its redistributions call), counted in this process: what TP moves a step."""
+
+    NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
+             "reduce_scatter_tensor", "all_to_all_single")
+    bytes = 0
+    calls = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        if cls._installed:
+            return
+        import torch.distributed._functional_collectives as funcol
+
+        for name in cls.NAMES:
+            orig = getattr(funcol, name, None)
+            if orig is None:
+                continue
+
+            def counted(*a, _orig=orig, **k):
+                t = a[0] if a else None
+                if torch.is_tensor(t):
+                    cls.bytes += t.numel() * t.element_size()
+                    cls.calls += 1
+                return _orig(*a, **k)
+
+            setattr(funcol, name, counted)
+        cls._installed = True
+
+    @classmethod
+    def take(cls) -> tuple[int, int]:
+        """(bytes, calls) since the last take."""
+        out = (cls.bytes, cls.calls)
+        cls.bytes = cls.calls = 0
+        return out
 
 
 class LocalGradSum:

@@ -46,14 +46,15 @@ class Wiring:
                 inbox: Inbox, timeout: float, node: str, tag: str, shard=None) -> None:
         """Join the shape's process group (when ``rdzv`` names one) and set up the transport;
         ``row``: the actors of every stage of this worker's replica.  With a tensor-parallel
-        stage, ``shard(tp)`` splits the stage's layers once the TP group exists."""
+        stage, ``shard(tp)`` builds the stage's layers split once the TP group exists (and
+        returns the stage)."""
         self.leave()
         if rdzv is not None:
             backend = "nccl" if device.type == "cuda" else "gloo"
             self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.width + c.index, world, timeout)
             if c.tp > 1:
                 self.tp = self._tp_group(c, device)
-                shard(self.tp)
+                stage = shard(self.tp)
             if c.dp > 1 or c.replicas:
                 self.buckets = self._stage_reducer(c, stage, device, node, tag)
         if transport == "collective":

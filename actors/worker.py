@@ -34,6 +34,7 @@ from actors.copies import KeptCopies, Uploads
 from actors.failures import talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, Recipe, StepRunner
+from actors.tensorpar import CollectiveBytes
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
                           optimizer_state_by_name)
 from actors.transport import Inbox
@@ -64,6 +65,7 @@ class StageWorker:
         self.layers: dict[int, nn.Module] = {}   # layer index of the whole model -> module held here
         self.stage = nn.Sequential()
         self.parts: dict = {}            # virtual stage -> its chunk's layers (the same modules as stage's)
+        self._split_later = None         # a tensor-parallel stage's (layers, step, state) until its group exists
         self.param_names: list[str] = []
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.applied = 0                 # committed steps whose updates are in the parameters
@@ -293,15 +295,18 @@ class StageWorker:
                 self.layers, self.optimizer, self.param_names = {}, None, []
             self.cell = Cell.from_config(cell, self.spec.microbatches)
             held = [i for lo, hi in self.cell.ranges for i in range(lo, hi)]
-            old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
-            self.layers = self._take_layers(held, committed, {layer_of(k) for k in incoming["model"]})
-            self.stage = nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in held))
-            # each model chunk's layers (the same modules): what a virtual stage's actions run
-            self.parts = {vs: nn.Sequential(OrderedDict((self.recipe.names[i], self.layers[i]) for i in range(lo, hi)))
-                          for vs, (lo, hi) in zip(self.cell.chunks, self.cell.ranges)}
             self.bounds = [tuple(b) for b in cell["bounds"]]
-            self._load_incoming(incoming["model"])
-            self._new_optimizer(old_optim, incoming["optim"])
+            self._split_later = None
+            if self.cell.tp > 1:  # built in connect, each layer split as soon as it is built (_shard)
+                if self.recipe is None:
+                    self.recipe = model_recipe(self.spec, self.search)
+                self._split_later = (held, committed, incoming)
+                self._assemble({})
+            else:
+                old_optim = optimizer_state_by_name(self.optimizer, self.param_names) if self.optimizer else None
+                self._assemble(self._take_layers(held, committed, {layer_of(k) for k in incoming["model"]}))
+                self._load_incoming(incoming["model"])
+                self._new_optimizer(old_optim, incoming["optim"])
             self.applied, self.pending = committed, None
             with self._turn:
                 self._started = committed - 1
@@ -310,6 +315,15 @@ class StageWorker:
             self.runner = None
             self._aborted = None
             return {"node": self.node_id(), "pid": os.getpid(), "layers": [list(r) for r in self.cell.ranges]}
+
+    def _assemble(self, layers: dict) -> None:
+        """Hold ``layers`` (index -> module) as the stage, and each model chunk's part of it."""
+        self.layers = layers
+        self.stage = nn.Sequential(OrderedDict((self.recipe.names[i], layers[i]) for i in sorted(layers)))
+        # each model chunk's layers (the same modules): what a virtual stage's actions run
+        self.parts = {vs: nn.Sequential(OrderedDict((self.recipe.names[i], layers[i]) for i in range(lo, hi)
+                                                    if i in layers))
+                      for vs, (lo, hi) in zip(self.cell.chunks, self.cell.ranges)}
 
     def _fetch(self, sources: list) -> dict:
         import ray
@@ -409,19 +423,35 @@ class StageWorker:
                                  recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)
         return True
 
-    def _shard(self, tp) -> None:
-        """Split the stage's layers over its tensor-parallel group (actors/tensorpar.py), the
-        optimizer's state with them: each rank keeps its slices (the whole tensors go)."""
-        if any(hasattr(q, "device_mesh") for q in self.stage.parameters()):
+    def _shard(self, tp) -> nn.Module:
+        """Build the stage's layers split over its tensor-parallel group (actors/tensorpar.py):
+        one layer at a time, its whole state loaded, then split, so a rank never holds more
+        than its slices and one whole layer; the optimizer's state is split with them.
+        Returns the stage."""
+        if self._split_later is None:
             raise RuntimeError(f"{self!r}: its layers are split already (a new group needs a new configure)")
-        old = optimizer_state_by_name(self.optimizer, self.param_names)
-        tp.shard(self.stage)
+        held, committed, incoming = self._split_later
+        self._split_later = None
+        covered = {layer_of(k) for k in incoming["model"]}
+        model = incoming["model"]
+        layers = {}
+        for i in held:
+            layers[i] = self._take_layers([i], committed, covered)[i]
+            one = nn.Sequential(OrderedDict([(self.recipe.names[i], layers[i])]))
+            mine = one.state_dict()
+            with torch.no_grad():
+                for k in [k for k in model if k in mine]:
+                    mine[k].copy_(model.pop(k).to(self.device))  # each whole tensor goes once copied
+            tp.shard(one)
+        self._assemble(layers)
         self.param_names = [n for n, _ in self.stage.named_parameters()]
         self.optimizer = build_optimizer(self.spec, self.stage.parameters())
-        if old["state"]:
+        if incoming["optim"]["state"]:
             load_optimizer_state(self.optimizer, self.param_names,
-                                 tp.local_optim(old, dict(self.stage.named_parameters())))
+                                 tp.local_optim(incoming["optim"], dict(self.stage.named_parameters())))
+        incoming["optim"]["state"] = {}
         gc.collect()
+        return self.stage
 
     def _leave_group(self) -> None:
         self.wiring.leave()
@@ -478,7 +508,11 @@ class StageWorker:
             self.inbox.drop_before(step)
             c = self.cell
             xs, ys = self._my_batch(step) if (c.first or c.last) else (None, None)
+            if self.tp is not None:
+                CollectiveBytes.take()
             result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None)
+            if self.tp is not None:  # what the layers' collectives moved this step (this rank's payload)
+                result["tp_bytes"], result["tp_collectives"] = CollectiveBytes.take()
             self.update = step_update(self.spec, result["grad_norm"])
             result["skipped"] = self.update[1]
             self.norms_update = self.runner.take_norm_update()

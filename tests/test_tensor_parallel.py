@@ -39,6 +39,13 @@ def test_tensor_parallel_gpt_equals_one_process(ray_session, tmp_path, tokens, d
     rows = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-9)
     assert rows[-1]["tp"] == 2
+    # Megatron-LM's count: 2 all-reduces forward and 2 backward per block and microbatch, each of
+    # microbatch x seq x d_model elements (float64); the GPT's 2 blocks spread over the stages
+    blocks = [2] if pp == 1 else [1, 1]
+    each = 4 * 16 * 32 * 8
+    m = spec.microbatches // dp
+    assert rows[-1]["tp_bytes"] == [b * m * 4 * each for b in blocks]
+    assert rows[-1]["tp_collectives"] == [b * m * 4 for b in blocks]
     shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
     assert shape["tp"] == 2 and "tp=2" in shape["message"]
     assert len(final["timelines"][-1]["workers"]) == dp * pp * 2
