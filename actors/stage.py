@@ -261,11 +261,13 @@ class StepRunner:
 
     def __init__(self, cell: Cell, stage: nn.Module, transport: Transport, reducer: Optional[GradientReducer],
                  loss_fn: Optional[Callable], scale: float, ties=None, recipe: Recipe = Recipe(),
-                 norm_params: Optional[list] = None, parts: Optional[dict] = None, stats_group=None):
+                 norm_params: Optional[list] = None, parts: Optional[dict] = None, stats_group=None, tp=None):
         """``stage``: every layer the worker holds; ``parts``: virtual stage -> its chunk's layers
         (default: the one chunk is the whole stage); ``stats_group``: the stage's replicas'
-        process group (dp > 1), where BatchNorm statistics are summed."""
+        process group (dp > 1), where BatchNorm statistics are summed; ``tp``: the stage's
+        tensor-parallel group (actors/tensorpar.py), told when the step's backwards are done."""
         self.cell, self.stage, self.tr, self.reduce = cell, stage, transport, reducer
+        self.tp, self.named = tp, list(stage.named_parameters())
         self.parts = parts or {cell.chunks[0]: stage}
         self.params = {vs: [q for q in part.parameters() if q.requires_grad] for vs, part in self.parts.items()}
         self.loss_fn, self.scale, self.ties = loss_fn, scale, ties  # ties: actors/ties.TiedGrads
@@ -326,6 +328,9 @@ class StepRunner:
         with talking_to_peers(f"finishing the sends of step {step + 1}"):
             tr.finish_step()
         t_pipe = time.time()
+        if self.tp is not None:
+            with talking_to_peers(f"summing the gradients of step {step + 1} over the stage's tensor-parallel group"):
+                self.tp.after_backward(self.named)
         if reduce is not None:
             with talking_to_peers(f"summing the gradients of step {step + 1} with the stage's replicas"):
                 reduce.finish()

@@ -10,10 +10,11 @@ the layers (Megatron-LM's two all-reduces forward and two backward per transform
 
 A split parameter is a DTensor sharded over the group (``Shard(0)`` column-wise, ``Shard(1)``
 row-wise); its gradient's local part is summed over the data-parallel group like any other.
-State leaves and enters a worker whole, keyed by name (``full`` / ``local``): checkpoints,
-peer copies and the final model do not depend on tp, so any (dp, pp, tp) resumes any.  The
-gathers go through a second group of the same ranks, so a checkpoint taken while the next
-step runs (its layers' collectives on the first group) never interleaves with it.
+State leaves and enters a worker whole, keyed by name (``full`` / ``local``): checkpoints and
+the final model do not depend on tp, so any (dp, pp, tp) resumes any.  The gathers (to TP rank
+0, which writes) go through a second group of the same ranks, kept apart from the layers'
+collectives.  Whole parameters inside a planned layer must get the same gradient on every rank
+(checked on the first step) unless their plan says ``replicated_with_grad_allreduce``.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class TensorParallel:
         self.gather_group = gather_group
         self.rank, self.size = rank, size
         self.splits: dict[str, Split] = {}   # stage parameter name -> how it is split
+        self.summed: set[str] = set()        # whole parameters whose gradients are summed over the group
+        self.checked = False                 # the replicated gradients were seen to agree on every rank
 
     # ---------------------------------------------------------------- splitting the layers
 
@@ -52,6 +55,9 @@ class TensorParallel:
             styles = {}
             for name, sp in plan.items():
                 mod = layer.get_submodule(name)
+                if sp.style == tensorplan.SUMMED:
+                    self.summed |= {f"{lname}.{name}.{pn}" for pn, _ in mod.named_parameters()}
+                    continue
                 for pn, prm in list(mod.named_parameters(recurse=False)):
                     key = f"{lname}.{name}.{pn}"
                     if pn == "bias" and sp.dim == 1:  # a row-wise bias is added once, after the sum
@@ -63,7 +69,8 @@ class TensorParallel:
                     dt = DTensor.from_local(local, self.mesh, [place], run_check=False)
                     setattr(mod, pn, nn.Parameter(dt, requires_grad=prm.requires_grad))
                 styles[name] = RowwiseParallel() if sp.dim == 1 else ColwiseParallel()
-            parallelize_module(layer, self.mesh, styles)  # the parameters are placed already: only the hooks
+            if styles:
+                parallelize_module(layer, self.mesh, styles)  # the parameters are placed already: only the hooks
 
     def _slice(self, full: torch.Tensor, sp: Split) -> torch.Tensor:
         """This rank's part of ``full``: its slice of each packed part, side by side."""
@@ -81,28 +88,61 @@ class TensorParallel:
 
     # ---------------------------------------------------------------- whole state out and in
 
-    def full(self, name: str, value: torch.Tensor, like_param: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def after_backward(self, named: list) -> None:
+        """After a step's backwards (before the data-parallel sum): sum the gradients of the
+        parameters marked ``replicated_with_grad_allreduce`` over the group; and on the first
+        step, check that every other whole parameter got the same gradient on every rank, else
+        say which acts on split activations (each rank would update it with part of its
+        gradient, and the copies would part)."""
+        group = self.mesh.get_group()
+        if self.summed:
+            sum_grads([p for n, p in named if n in self.summed], group, 2**24)
+        if self.checked:
+            return
+        self.checked = True
+        whole = [(n, p.grad) for n, p in named if n not in self.splits and n not in self.summed and p.grad is not None]
+        if not whole:
+            return
+        norms = torch.stack([(g.to_local() if hasattr(g, "to_local") else g).detach().double().norm() for _, g in whole])
+        seen = [torch.empty_like(norms) for _ in range(self.size)]
+        dist.all_gather(seen, norms, group=group)
+        spread = (torch.stack(seen).amax(0) - torch.stack(seen).amin(0)) / torch.stack(seen).abs().amax(0).clamp_min(1e-30)
+        bad = [whole[i][0] for i in torch.nonzero(spread > 1e-6).flatten().tolist()]
+        if bad:
+            raise ValueError(
+                f"the tensor-parallel ranks of this stage got different gradients for {', '.join(bad[:4])}: "
+                "these parameters act on split activations (as a per-head norm after a column-wise layer does), "
+                "so each rank sees part of their gradient. Mark their submodule 'replicated_with_grad_allreduce' "
+                "in the layer's tp_plan (their gradient is then summed over the group), or split them")
+
+    def full(self, name: str, value: torch.Tensor, to_first: bool = False) -> Optional[torch.Tensor]:
         """The whole tensor of parameter ``name`` (or of its optimizer state ``value``, shaped as
         its local part): gathered over the group when split (every rank calls this, in the same
-        order), else its local value."""
+        order), else its local value.  ``to_first``: gathered on rank 0 only (the others get None)."""
         local = value.to_local() if hasattr(value, "to_local") else value
         sp = self.splits.get(name)
         if sp is None or local.dim() == 0:
             return local
-        parts = [torch.empty_like(local) for _ in range(self.size)]
-        dist.all_gather(parts, local.contiguous(), group=self.gather_group)
+        if to_first:
+            parts = [torch.empty_like(local) for _ in range(self.size)] if self.rank == 0 else None
+            dist.gather(local.contiguous(), parts, group=self.gather_group, group_dst=0)
+            if parts is None:
+                return None
+        else:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.all_gather(parts, local.contiguous(), group=self.gather_group)
         if sp.parts == 1:
             return torch.cat(parts, dim=sp.dim)
         pieces = [p.chunk(sp.parts, dim=sp.dim) for p in parts]
         return torch.cat([pieces[j][k] for k in range(sp.parts) for j in range(self.size)], dim=sp.dim)
 
-    def full_state(self, tensors: dict) -> dict:
+    def full_state(self, tensors: dict, to_first: bool = False) -> dict:
         """``{name: tensor}`` with every split entry whole (a collective: all ranks, same names)."""
-        return {k: self.full(k, v) for k, v in tensors.items()}
+        return {k: self.full(k, v, to_first) for k, v in tensors.items()}
 
-    def full_optim(self, state: dict) -> dict:
+    def full_optim(self, state: dict, to_first: bool = False) -> dict:
         """An optimizer state by name (actors/state.py) with every split entry whole."""
-        return {"state": {n: {k: self.full(n, v) for k, v in s.items()} for n, s in state["state"].items()},
+        return {"state": {n: {k: self.full(n, v, to_first) for k, v in s.items()} for n, s in state["state"].items()},
                 "groups": state["groups"]}
 
     def local_optim(self, state: dict, params: dict) -> dict:
@@ -161,10 +201,35 @@ class CollectiveBytes:
         return out
 
 
+def sum_grads(params: list, group, bucket_bytes: int) -> None:
+    """Sum the local gradients of ``params`` (a split parameter's slice) over ``group``, in
+    flat buckets; a parameter with no gradient this step takes part with zeros, so every rank
+    sums the same buckets."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    bucket: list = []
+    size = 0
+    for g in [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in params] + [None]:
+        if g is not None and (not bucket or (size + g.numel() * g.element_size() <= bucket_bytes
+                                             and g.dtype == bucket[0].dtype)):
+            bucket.append(g)
+            size += g.numel() * g.element_size()
+            continue
+        if bucket:
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for b in bucket:
+                b.copy_(flat[off:off + b.numel()].view_as(b))
+                off += b.numel()
+        bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+
+
 class LocalGradSum:
     """The data-parallel gradient sum of a tensor-parallel stage: after the step's last
     backward, every parameter's local gradient (a split one's slice) summed over the stage's
-    data-parallel group, flattened in buckets of ``bucket_bytes``."""
+    data-parallel group (``sum_grads``)."""
 
     overlap = False  # summed after the step's last backward, not during it
 
@@ -178,23 +243,7 @@ class LocalGradSum:
         pass
 
     def finish(self) -> None:
-        grads = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in self.params) if g is not None]
-        bucket: list = []
-        size = 0
-        for g in grads + [None]:
-            if g is not None and (not bucket or size + g.numel() * g.element_size() <= self.bucket_bytes
-                                  and g.dtype == bucket[0].dtype):
-                bucket.append(g)
-                size += g.numel() * g.element_size()
-                continue
-            if bucket:
-                flat = torch.cat([b.reshape(-1) for b in bucket])
-                dist.all_reduce(flat, group=self.group)
-                off = 0
-                for b in bucket:
-                    b.copy_(flat[off:off + b.numel()].view_as(b))
-                    off += b.numel()
-            bucket, size = ([g], g.numel() * g.element_size()) if g is not None else ([], 0)
+        sum_grads(self.params, self.group, self.bucket_bytes)
 
     def close(self) -> None:
         pass

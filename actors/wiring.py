@@ -52,10 +52,14 @@ class Wiring:
         if rdzv is not None:
             backend = "nccl" if device.type == "cuda" else "gloo"
             self.group.init(backend, rdzv[0], rdzv[1], c.dp_rank * c.width + c.index, world, timeout)
-            if c.tp > 1:
+            if c.tp > 1:  # every group first (they wait for every rank), then the layers are built split
                 self.tp = self._tp_group(c, device)
+                if c.dp > 1:
+                    self._tp_stage_groups(c)
                 stage = shard(self.tp)
-            if c.dp > 1 or c.replicas:
+                if c.dp > 1:
+                    self.buckets = LocalGradSum(list(stage.parameters()), self.stage_group, BUCKET_BYTES)
+            elif c.dp > 1 or c.replicas:
                 self.buckets = self._stage_reducer(c, stage, device, node, tag)
         if transport == "collective":
             self.transport = CollectiveTransport([c.dp_rank * c.width + s for s in range(c.width)], c.index, device)
@@ -66,13 +70,6 @@ class Wiring:
         """The sum of the stage's gradients over its workers (data-parallel replicas, and the
         replicas of a replicated stage): shared memory on one node, else gloo / NCCL buckets.
         Every rank creates every stage's group, in the same order."""
-        if c.tp > 1:  # a TP rank sums with the same rank of the stage's other data-parallel replicas
-            for s in range(c.pp):
-                for j in range(c.tp):
-                    g = self.group.new_group([r * c.width + s * c.tp + j for r in range(c.dp)])
-                    if (s, j) == (c.pp_rank, c.tp_rank):
-                        self.stage_group = g
-            return LocalGradSum(list(stage.parameters()), self.stage_group, BUCKET_BYTES) if c.dp > 1 else None
         reps = c.replicas or (1,) * c.pp
         for s in range(c.pp):
             first = sum(reps[:s])
@@ -90,6 +87,15 @@ class Wiring:
         overlap = device.type == "cuda" if _OVERLAP is None else _OVERLAP == "1"
         overlap = overlap and len(c.chunks) == 1 and not c.split  # several chunks or W actions: summed after the step
         return GradBuckets(params, self.stage_group, BUCKET_BYTES, overlap)
+
+    def _tp_stage_groups(self, c: Cell) -> None:
+        """A TP rank sums its gradients with the same rank of its stage's other data-parallel
+        replicas: one group per (stage, TP rank)."""
+        for s in range(c.pp):
+            for j in range(c.tp):
+                g = self.group.new_group([r * c.width + s * c.tp + j for r in range(c.dp)])
+                if (s, j) == (c.pp_rank, c.tp_rank):
+                    self.stage_group = g
 
     def _tp_group(self, c: Cell, device) -> TensorParallel:
         """The TP group of this worker's stage (and a second one of the same ranks for gathering

@@ -144,19 +144,23 @@ class StageWorker:
         """The stage's tensor-parallel group (actors/tensorpar.py), or None."""
         return self.wiring.tp
 
-    def _whole(self) -> tuple[dict, dict]:
-        """The stage's state dict and optimizer state by name, whole: a tensor-parallel stage's
-        split entries gathered over its group (every rank of the group calls this)."""
-        names = self.param_names
-        model = dict(self.stage.state_dict())
-        opt = optimizer_state_by_name(self.optimizer, names) if self.optimizer else {"state": {}, "groups": None}
-        if self.tp is not None:
-            with talking_to_peers("gathering the stage's split state over its tensor-parallel group"):
-                model, opt = self.tp.full_state(model), self.tp.full_optim(opt)
+    def _whole(self, optim: bool = True) -> tuple[dict, dict]:
+        """A tensor-parallel stage's state dict and optimizer state by name, whole on TP rank 0
+        (split entries gathered there: every rank of the group calls this; the others get
+        None for them).  The entries that are not gathered are the live tensors."""
+        model = self.tp.full_state(dict(self.stage.state_dict()), to_first=True)
+        opt = {"state": {}, "groups": None}
+        if optim:
+            opt = self.tp.full_optim(optimizer_state_by_name(self.optimizer, self.param_names), to_first=True)
         return model, opt
 
     def _state(self, layers: Optional[set[int]] = None) -> dict:
-        model, opt = self._whole()
+        if self.cell.tp > 1:  # (elastic jobs are refused with tp > 1: no reshape asks for a stage's state)
+            raise RuntimeError(f"{self!r}: a tensor-parallel stage's state is only written whole by its TP rank 0 "
+                               "(checkpoints, the final model)")
+        names = self.param_names
+        model = dict(self.stage.state_dict())
+        opt = optimizer_state_by_name(self.optimizer, names) if self.optimizer else {"state": {}, "groups": None}
         keep = (lambda n: True) if layers is None else (lambda n: layer_of(n) in layers)
         return {"step": self.applied,
                 "model": {k: clone(v) for k, v in model.items() if keep(k)},
@@ -226,11 +230,15 @@ class StageWorker:
         with self._lock:
             self._committed(committed)
             params = {n for n, _ in self.stage.named_parameters()}
-            if self.tp is not None:  # gathered now (new tensors); TP rank 0 writes the stage's part
-                model, optim = self._whole()
-                live = {"model": model, "optim": optim}
+            if self.cell.tp > 1:  # gathered on TP rank 0 now, which writes the stage's part
+                with talking_to_peers("gathering the stage's split state on its TP rank 0"):
+                    model, optim = self._whole()
                 if self.cell.tp_rank > 0:
                     return time.perf_counter() - t0
+                whole = {n for n in model if n in self.tp.splits}  # new tensors; the others live: copied now
+                live = {"model": {k: v if k in whole else clone(v) for k, v in model.items()},
+                        "optim": {"state": {n: {k: v if n in whole else clone(v) for k, v in st.items()}
+                                            for n, st in optim["state"].items()}, "groups": optim["groups"]}}
             else:
                 live = {"model": {k: v if k in params else clone(v) for k, v in self.stage.state_dict().items()},
                         "optim": optimizer_state_by_name(self.optimizer, self.param_names)}
@@ -251,10 +259,14 @@ class StageWorker:
         """Write this stage's shard of the final model (safetensors, by the whole model's
         names): into the folder ``out["dir"]``, or into the job store (``out["store"]``, as the
         artifact ``model/<shard>``).  Returns its index entry."""
+        c = self.cell
         with self._lock:
             self._committed(committed)
-            tensors = self._whole()[0] if self.tp is not None else dict(self.stage.state_dict())
-        c = self.cell
+            if c.tp > 1:
+                with talking_to_peers("gathering the stage's split parameters on its TP rank 0"):
+                    tensors = self._whole(optim=False)[0]
+            else:
+                tensors = dict(self.stage.state_dict())
         if c.tp_rank > 0:  # TP rank 0 writes the stage's whole shard
             return None
         if out.get("dir"):
@@ -420,7 +432,8 @@ class StageWorker:
                 "model so that the tied layers share a stage")
         self.runner = StepRunner(c, self.stage, self.wiring.transport, self.wiring.buckets, self.loss_fn,
                                  self.mbs / self.B, ties,
-                                 recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group)
+                                 recipe, norm_params, parts=self.parts, stats_group=self.wiring.stage_group,
+                                 tp=self.tp)
         return True
 
     def _shard(self, tp) -> nn.Module:

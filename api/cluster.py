@@ -77,8 +77,8 @@ class ClusterScheduler:
         if job["state"] == JobState.QUEUED.value:
             return 0
         shape = job.get("shape") or {}
-        if shape.get("dp"):
-            return int(shape["dp"]) * int(shape["pp"])
+        if shape.get("dp"):  # every worker of its shape: replicated stages' and TP groups' too
+            return int(shape["dp"]) * (sum(shape.get("replicas") or ()) or int(shape["pp"]) * int(shape.get("tp") or 1))
         if job["id"] in self.allotted:
             return self.allotted[job["id"]]
         spec = spec or JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed

@@ -12,10 +12,14 @@ style, the strings Hugging Face transformers uses in its models' plans:
   side (a fused ``qkv`` is 3, a fused gate|up is 2): each part is split on its own, so rank j
   holds the j-th slice of every part and the layer's ``.chunk(parts, -1)`` still cuts it into
   its parts.  The number of parts is ``tp_packed[name]`` (default 2, as transformers').
+- ``"replicated_with_grad_allreduce"``: any submodule kept whole on every rank whose gradient
+  is summed over the group, for a parameter that acts on split activations (a per-head norm
+  after a column-wise layer sees only its rank's heads, so each rank gets part of its gradient).
 
-A layer without a plan is replicated on every rank of the group (its gradients agree on every
-rank: its inputs are the same).  Checked here on the meta device, before any actor starts:
-the names, the styles, and that t divides each split width and its heads.
+Everything else is replicated on every rank of the group; its gradients must agree on every
+rank (its inputs are the same), which the first step checks (actors/tensorpar.py).  Checked
+here on the meta device, before any actor starts: the names, the styles, the packed parts,
+and that t divides each split width and its heads.
 """
 from __future__ import annotations
 
@@ -23,7 +27,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-STYLES = ("colwise", "rowwise", "packed_colwise")
+STYLES = ("colwise", "rowwise", "packed_colwise", "replicated_with_grad_allreduce")
+SUMMED = "replicated_with_grad_allreduce"
 HEAD_ATTRS = ("head_dim", "head_size", "attention_head_size")
 
 
@@ -32,7 +37,7 @@ class Split:
     """One split submodule: its style, the weight dimension it splits, its packed parts."""
 
     style: str
-    dim: int            # the weight's split dimension (0: output features, 1: input features)
+    dim: int            # the weight's split dimension (0: output features, 1: input features; -1: not split)
     parts: int = 1      # projections side by side (packed_colwise)
 
 
@@ -43,7 +48,7 @@ def plan_of(layer: nn.Module) -> dict[str, Split]:
     out = {}
     for name, style in plan.items():
         parts = int(packed.get(name, 2)) if style == "packed_colwise" else 1
-        out[name] = Split(style, 1 if style == "rowwise" else 0, parts)
+        out[name] = Split(style, -1 if style == SUMMED else 1 if style == "rowwise" else 0, parts)
     return out
 
 
@@ -54,17 +59,24 @@ def check_layer(index: int, layer: nn.Module, tp: int) -> None:
         return
     where = f"layer {index} ({type(layer).__name__})"
     if not isinstance(plan, dict):
-        raise ValueError(f"{where}: tp_plan must be a dict from submodule name to 'colwise' or 'rowwise', "
+        raise ValueError(f"{where}: tp_plan must be a dict from submodule name to a style ({', '.join(STYLES)}), "
                          f"got {type(plan).__name__}")
+    packed = getattr(layer, "tp_packed", None) or {}
+    if not isinstance(packed, dict) or any(isinstance(v, bool) or not isinstance(v, int) or v < 1
+                                           for v in packed.values()):
+        raise ValueError(f"{where}: tp_packed must be a dict from submodule name to its number of packed parts "
+                         f"(an integer >= 1, e.g. {{'attn.qkv': 3}}), got {packed!r}")
     names = dict(layer.named_modules())
     for name, style in plan.items():
-        if style not in STYLES:
+        if not isinstance(style, str) or style not in STYLES:
             raise ValueError(f"{where}: tp_plan[{name!r}] is {style!r}; the styles are {', '.join(STYLES)}")
         if name not in names or not name:
             linears = [n for n, m in layer.named_modules() if isinstance(m, nn.Linear)]
             raise ValueError(f"{where}: tp_plan names {name!r}, which is not a submodule of the layer; its Linear "
                              f"submodules are {linears}")
         mod = names[name]
+        if style == SUMMED:
+            continue
         if not isinstance(mod, nn.Linear):
             raise ValueError(f"{where}: tp_plan[{name!r}] is {style!r} but {name} is a {type(mod).__name__}; "
                              "relaytrain splits nn.Linear layers only: leave it out of the plan (it is then "

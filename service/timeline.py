@@ -49,6 +49,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
             "microbatches_per_replica": shape.get("microbatches_per_replica"),
             **({"replicas": list(shape["replicas"]), "stage_costs": list(shape.get("stage_costs") or [])}
                if shape.get("replicas") else {}),
+            **({"tp": int(shape["tp"])} if (shape.get("tp") or 1) > 1 else {}),
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
@@ -71,22 +72,31 @@ def chunks_of(entry: dict) -> int:
 
 
 def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int,
-                  chunks: int = 1, replicas: Sequence[int] = (), stage_costs: Sequence[float] = ()) -> list[str]:
+                  chunks: int = 1, replicas: Sequence[int] = (), stage_costs: Sequence[float] = (),
+                  tp: int = 1) -> list[str]:
     """The actions worker (dp_rank, pp_rank) runs, in the plan's order (virtual stage ids: a
     chunked schedule's worker runs several), with global microbatch ids (replica r runs
     microbatches ``[r*m, (r+1)*m)``).  With ``replicas`` (workers per stage), ``pp_rank`` is
-    the worker's slot in its pipeline (service/replicas.py), its order planned with ``stage_costs``."""
+    the worker's slot in its pipeline (service/replicas.py), its order planned with ``stage_costs``;
+    with ``tp`` > 1 it is the slot ``stage * tp + TP rank`` (every rank runs its stage's order)."""
     m = microbatches_per_replica
     if replicas:
         order = rp.plan(schedule, replicas, m, rp.relative(stage_costs)).order[pp_rank]
     else:
-        order = schedules.build(schedule, pp, m, chunks).order[pp_rank]
+        order = schedules.build(schedule, pp, m, chunks).order[pp_rank // tp]
     return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in order]
 
 
 def width_of(entry: dict) -> int:
-    """Workers of one pipeline of a shape dict or an entry: sum(replicas), or pp."""
-    return sum(entry.get("replicas") or ()) or entry["pp"]
+    """Workers of one pipeline of a shape dict or an entry: sum(replicas), or pp x tp."""
+    return sum(entry.get("replicas") or ()) or entry["pp"] * (entry.get("tp") or 1)
+
+
+def stage_of_slot(entry: dict, slot: int) -> tuple[int, int]:
+    """(stage, its replica or TP rank) of a pipeline's worker ``slot`` in a shape dict or an entry."""
+    if entry.get("replicas"):
+        return rp.stage_of(entry["replicas"], slot)
+    return divmod(slot, entry.get("tp") or 1)
 
 
 def check(entry: dict) -> list[str]:
@@ -104,7 +114,7 @@ def check(entry: dict) -> list[str]:
         acts = entry["workers"][w]
         order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
         plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry),
-                             entry.get("replicas") or (), entry.get("stage_costs") or ())
+                             entry.get("replicas") or (), entry.get("stage_costs") or (), entry.get("tp") or 1)
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
         for a, t0, t1 in acts:
@@ -136,7 +146,10 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
             act = schedules.Action.parse(a)
             boxes.append({"action": a, "kind": act.kind, "mb": act.mb, "start": t0, "end": t1})
         train = [b for b in boxes if b["kind"] != "E"]  # the step's own; "E": the evaluation after it
-        lanes.append({"worker": w, "dp_rank": r, "pp_rank": s, "node": (entry.get("nodes") or {}).get(w),
+        stage, rank = stage_of_slot(entry, s)
+        lanes.append({"worker": w, "dp_rank": r, "pp_rank": stage, "slot": s,
+                      **({"tp_rank": rank} if (entry.get("tp") or 1) > 1 else {}),
+                      "node": (entry.get("nodes") or {}).get(w),
                       "busy_s": sum(b["end"] - b["start"] for b in train), "actions": boxes})
     per_replica: dict[int, list[dict]] = {}
     for lane in lanes:
@@ -162,6 +175,7 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
             "portals": _portals(entry, lanes),
             "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"], "chunks": chunks_of(entry),
             **({"replicas": entry["replicas"]} if entry.get("replicas") else {}),
+            **({"tp": entry["tp"]} if entry.get("tp") else {}),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
             "utilization_plan": plan, "lanes": lanes}
@@ -171,7 +185,8 @@ def _portals(entry: dict, lanes: list[dict]) -> list[dict]:
     """Each skip tensor that went from one worker to another (relaytrain.skip): from the end of
     the forward that stashed it (chunk ``src``) to the start of the forward that popped it
     (chunk ``dst``), microbatch by microbatch."""
-    where = {b["action"]: (lane["worker"], b) for lane in lanes for b in lane["actions"] if b["kind"] == "F"}
+    where = {b["action"]: (lane["worker"], b) for lane in lanes if not lane.get("tp_rank")  # TP rank 0's
+             for b in lane["actions"] if b["kind"] == "F"}
     out = []
     for src, dst, name in entry.get("portals") or []:
         for a, (worker, b) in where.items():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from actors.runner import run_job
-from service import checkpoint
+from service import checkpoint, timeline
 from service.spec import SpecError, parse_spec
 from tests import reference
 from tests.test_engine import read_jsonl
@@ -48,7 +48,14 @@ def test_tensor_parallel_gpt_equals_one_process(ray_session, tmp_path, tokens, d
     assert rows[-1]["tp_collectives"] == [b * m * 4 for b in blocks]
     shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
     assert shape["tp"] == 2 and "tp=2" in shape["message"]
-    assert len(final["timelines"][-1]["workers"]) == dp * pp * 2
+    shape_dict = {k: v for k, v in shape.items() if k not in ("type", "message", "time")}
+    entry = timeline.record(rows[-1]["step"], shape_dict, final["timelines"][-1]["workers"])  # as the store keeps it
+    assert len(entry["workers"]) == dp * pp * 2
+    # every worker ran its stage's plan (each TP rank the same), and the timeline view says which rank
+    assert timeline.check(entry) == []
+    lanes = timeline.view(entry)["lanes"]
+    assert [(la["pp_rank"], la["tp_rank"]) for la in lanes if la["dp_rank"] == 0] == [(s, j) for s in range(pp)
+                                                                                      for j in range(2)]
 
 
 def test_a_resume_into_another_tp(ray_session, tmp_path, tokens):
@@ -137,7 +144,9 @@ def _user_spec(kind: str, tp: int = 2, **par):
 @pytest.mark.parametrize("kind, tp, says", [
     ("names_nothing", 2, "tp_plan names 'mlp.up', which is not a submodule of the layer; its Linear submodules "
                          "are ['up']"),
-    ("unknown_style", 2, "tp_plan['up'] is 'diagonal'; the styles are colwise, rowwise, packed_colwise"),
+    ("unknown_style", 2, "tp_plan['up'] is 'diagonal'; the styles are colwise, rowwise, packed_colwise, "
+                         "replicated_with_grad_allreduce"),
+    ("zero_parts", 2, "tp_packed must be a dict from submodule name to its number of packed parts (an integer >= 1"),
     ("odd_heads", 2, "q holds 3 attention heads of 4 features, which parallelism.tp=2 does not divide"),
     ("odd_heads", 5, "q has 12 output features, which parallelism.tp=5 does not divide"),
 ])
@@ -183,3 +192,30 @@ def test_tp_with_what_it_cannot_combine_is_refused(tokens, par, extra, says):
         parse_spec(d)
     assert says in str(e.value)
 
+
+
+def _headnorm_spec(summed: bool):
+    return parse_spec({
+        "name": f"tp-headnorm-{summed}".lower(),
+        "model": {"builder": "userpkg.layerlist:tp_headnorm", "args": {"summed": summed, "dtype": "float32"}},
+        "data": {"kind": "regression", "args": {"n": 64, "in_features": 16}}, "loss": "mse",
+        "optimizer": {"name": "adam", "lr": 0.01},
+        "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 3, "seed": 4},
+        "parallelism": {"tp": 2}})
+
+
+def test_a_parameter_on_split_activations_is_summed_or_refused(ray_session, tmp_path):
+    """A per-head LayerNorm after a column-wise layer sees only its rank's heads: marked
+    ``replicated_with_grad_allreduce`` its gradient is summed over the TP group and the job
+    equals one process; unmarked, the first step fails and names it."""
+    from actors.runner import JobFailed
+    from tests.conftest import FIXTURES
+
+    spec = _headnorm_spec(True)
+    run_job(spec=spec, out=str(tmp_path / "a"), progress=False, spec_dir=FIXTURES)
+    want, losses = reference.train(spec, search=[FIXTURES])
+    assert_equal(torch.load(tmp_path / "a" / "model.pt"), want, tol=1e-5)
+    with pytest.raises(JobFailed) as e:
+        run_job(spec=_headnorm_spec(False), out=str(tmp_path / "b"), progress=False, spec_dir=FIXTURES)
+    assert "got different gradients for 1.norm.weight" in str(e.value)
+    assert "replicated_with_grad_allreduce" in str(e.value)

@@ -445,14 +445,15 @@ function drawShape(job) {
   const chunks = shapeChunks(shape);
   $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule}` +
     (chunks > 1 ? ` (${chunks} model chunks per worker)` : "") +
-    (shape.replicas ? ` (workers per stage ${shape.replicas.join(", ")})` : "") + ` with ` +
+    (shape.replicas ? ` (workers per stage ${shape.replicas.join(", ")})` : "") +
+    (shape.tp > 1 ? ` × tp ${shape.tp} (each stage's layers split over ${shape.tp} workers)` : "") + ` with ` +
     `${shape.microbatches_per_replica} microbatches per replica, transport ${shape.transport}` +
     (shape.gpus_per_worker ? `, ${shape.gpus_per_worker} GPU per worker` : ", CPU workers");
   const starts = [0];
   for (const n of shape.partition || []) starts.push(starts[starts.length - 1] + n);
   const rows = Object.entries(shape.workers || {}).map(([w, node]) => {
-    const [s, rep] = stageOfSlot(Number(w.split(".")[1]), shape.replicas);
-    const which = shape.replicas ? `stage ${s} replica ${rep}` : `stage ${s}`;
+    const [s, rep] = stageOfSlot(Number(w.split(".")[1]), shape.replicas, shape.tp);
+    const which = shape.replicas ? `stage ${s} replica ${rep}` : shape.tp > 1 ? `stage ${s} TP rank ${rep}` : `stage ${s}`;
     let layers = which;
     if (shape.partition && chunks === 1) layers = `${which}: layers ${starts[s]}–${starts[s + 1] - 1}`;
     else if (shape.partition) {  // the worker's model chunks (virtual stages), in model order
@@ -467,8 +468,10 @@ function drawShape(job) {
 }
 
 // (stage, replica) of a pipeline's worker `slot` (service/replicas.py stage_of): with replicated
-// stages a pipeline's workers are numbered stage by stage; without, the slot is the stage.
-function stageOfSlot(slot, replicas) {
+// stages a pipeline's workers are numbered stage by stage; with tensor parallelism (tp > 1) the
+// slot is stage x tp + TP rank; else the slot is the stage.
+function stageOfSlot(slot, replicas, tp) {
+  if (!replicas && tp > 1) return [Math.floor(slot / tp), slot % tp];
   if (!replicas) return [slot, 0];
   for (let s = 0; s < replicas.length; s++) {
     if (slot < replicas[s]) return [s, slot];
