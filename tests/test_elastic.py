@@ -431,3 +431,32 @@ def test_a_tp_group_larger_than_any_node_is_refused(cluster):
         launch.check_fits(spec)
     assert "places each stage's 2 workers on one node" in str(e.value) and "largest node has 1 CPUs" in str(e.value)
     launch.check_fits(spec, max_cpus=64)  # an autoscaler's ceiling: nodes may come larger
+
+
+def test_each_tp_group_is_placed_on_one_node(cluster, tmp_path, tmp_path_factory):
+    """Two nodes of 2 CPUs: a (1, 2, 2) job's two TP groups each sit on one node (one placement
+    bundle per group), and the job equals the one-process loop."""
+    import numpy as np
+    import torch
+
+    from actors.runner import run_job
+    from tests import reference
+    from tests.test_large_models import assert_equal
+    from tests.test_tensor_parallel import tp_spec
+
+    with_nodes(cluster, 0)
+    big = [cluster.add_node(num_cpus=2) for _ in range(2)]
+    try:
+        cluster.wait_for_nodes()
+        path = tmp_path_factory.mktemp("tp-tokens") / "train.bin"
+        np.random.default_rng(0).integers(0, 64, 16 * 17 * 12).astype(np.uint16).tofile(path)
+        spec = tp_spec(str(path), 1, 2, 2, steps=2)
+        final = run_job(spec=spec, out=str(tmp_path), progress=False)
+        shape = events(final, "shape")[0]
+        nodes = shape["workers"]
+        assert nodes["w0.0"] == nodes["w0.1"] and nodes["w0.2"] == nodes["w0.3"], nodes
+        want, _ = reference.train(spec)
+        assert_equal(torch.load(tmp_path / "model.pt"), want)
+    finally:
+        for node in big:
+            cluster.remove_node(node)
