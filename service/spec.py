@@ -223,10 +223,10 @@ class ParallelismSpec(_Strict):
                 raise ValueError(f"parallelism.tp {self.tp} and parallelism.replicas cannot be combined in one job yet "
                                  "(a replicated stage's workers split its microbatches, a TP group's split its "
                                  "layers): use one of them")
-            if self.schedule not in ("gpipe", "1f1b"):
-                raise ValueError(f"parallelism.tp {self.tp} runs with schedule 1f1b or gpipe, not {self.schedule} "
-                                 "(the split backward and the several chunks per worker of the other schedules are "
-                                 "not built for tensor-parallel layers yet): set parallelism.schedule to 1f1b or gpipe")
+            if self.schedule not in ("gpipe", "1f1b", "interleaved_1f1b"):
+                raise ValueError(f"parallelism.tp {self.tp} runs with schedule 1f1b, gpipe or interleaved_1f1b, not "
+                                 f"{self.schedule} (the split backward of the zero-bubble schedules is not built for "
+                                 "tensor-parallel layers yet): set parallelism.schedule to one of those")
         if self.layer_costs_ms is not None and (not self.layer_costs_ms or min(self.layer_costs_ms) < 0):
             raise ValueError("parallelism.layer_costs_ms: give one non-negative cost per layer")
         return self

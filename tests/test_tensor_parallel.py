@@ -58,6 +58,18 @@ def test_tensor_parallel_gpt_equals_one_process(ray_session, tmp_path, tokens, d
                                                                                       for j in range(2)]
 
 
+def test_interleaved_1f1b_on_tensor_parallel_stages(ray_session, tmp_path, tokens):
+    """Two model chunks per worker (loop placement) at (1, 2, 2): each TP rank holds its slices of
+    two chunks, and the job equals the one-process loop."""
+    spec = tp_spec(tokens, 1, 2, 2, "interleaved_1f1b")
+    run_job(spec=spec, out=str(tmp_path), progress=False)
+    want, losses = reference.train(spec)
+    assert_equal(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-9)
+    assert rows[-1]["tp_collectives"] == [spec.microbatches * 4] * 2  # one block in each stage's two chunks
+
+
 def test_a_resume_into_another_tp(ray_session, tmp_path, tokens):
     """(1, 2, 2) writes a checkpoint at step 2 (TP rank 0 of each stage writes the whole
     tensors by name), (1, 1, 1) resumes it to step 4 and writes one, and (2, 1, 2) resumes that
@@ -180,7 +192,7 @@ def test_the_gpt_with_heads_tp_does_not_divide_is_refused(tokens):
 
 @pytest.mark.parametrize("par, extra, says", [
     ({"replicas": [1, 2], "pp": 2}, {}, "parallelism.tp 2 and parallelism.replicas cannot be combined"),
-    ({"schedule": "zb_h1", "pp": 2}, {}, "parallelism.tp 2 runs with schedule 1f1b or gpipe, not zb_h1"),
+    ({"schedule": "zb_h1", "pp": 2}, {}, "parallelism.tp 2 runs with schedule 1f1b, gpipe or interleaved_1f1b, not zb_h1"),
     ({}, {"elastic": {"enabled": True, "min_workers": 1, "max_workers": 4}}, "parallelism.tp 2 is not elastic yet"),
     ({"tp": 0}, {}, "greater than or equal to 1"),
 ])
