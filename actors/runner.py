@@ -192,8 +192,9 @@ class _Seen:
             if snap["metrics"]:
                 last = snap["metrics"][-1]
                 bar.n = last["step"]
+                shape = f"{last['dp']}x{last['pp']}" + (f"x{last['tp']} (tp)" if last.get("tp") else "")
                 bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped",
-                                samples_s=f"{last['samples_per_s']:.0f}", shape=f"{last['dp']}x{last['pp']}")
+                                samples_s=f"{last['samples_per_s']:.0f}", shape=shape)
             elif bar.n == 0 and snap["step"]:  # a resumed run: the bar starts at the step it resumed from
                 bar.n = snap["step"]
                 bar.refresh()
