@@ -79,10 +79,6 @@ class TensorParallel:
         return torch.cat([part.chunk(self.size, dim=sp.dim)[self.rank] for part in full.chunk(sp.parts, dim=sp.dim)],
                          dim=sp.dim)
 
-    @property
-    def active(self) -> bool:
-        return bool(self.splits)
-
     def replicated(self, name: str) -> bool:
         return name not in self.splits
 
@@ -106,7 +102,8 @@ class TensorParallel:
         norms = torch.stack([(g.to_local() if hasattr(g, "to_local") else g).detach().double().norm() for _, g in whole])
         seen = [torch.empty_like(norms) for _ in range(self.size)]
         dist.all_gather(seen, norms, group=group)
-        spread = (torch.stack(seen).amax(0) - torch.stack(seen).amin(0)) / torch.stack(seen).abs().amax(0).clamp_min(1e-30)
+        seen = torch.stack(seen)
+        spread = (seen.amax(0) - seen.amin(0)) / seen.abs().amax(0).clamp_min(1e-30)
         bad = [whole[i][0] for i in torch.nonzero(spread > 1e-6).flatten().tolist()]
         if bad:
             raise ValueError(
