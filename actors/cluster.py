@@ -19,15 +19,16 @@ class NodeView:
     free: dict[str, dict[str, float]] = field(default_factory=dict)     # node id -> available resources
     time: float = 0.0
 
-    def free_slots(self, cpus: float, gpus: float, exclude: set[str] = frozenset()) -> int:
-        """Worker slots free on alive, non-draining nodes outside ``exclude``."""
+    def free_slots(self, cpus: float, gpus: float, exclude: set[str] = frozenset(), group: int = 1) -> int:
+        """Worker slots free on alive, non-draining nodes outside ``exclude``; with ``group`` > 1
+        (a tensor-parallel group, placed on one node) only whole groups of slots count."""
         n = 0
         for node in self.alive - set(self.draining) - set(exclude):
             res = self.free.get(node, {})
             k = math.floor(res.get("CPU", 0.0) / cpus + 1e-9) if cpus else 1 << 30
             if gpus:
                 k = min(k, math.floor(res.get("GPU", 0.0) / gpus + 1e-9))
-            n += max(0, k)
+            n += max(0, k) // group * group
         return n
 
 

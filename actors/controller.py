@@ -172,7 +172,8 @@ class JobController:
                    joined: int = 0) -> policy.Situation:
         view = self.watch.refresh()
         suspect = self.reshaper.suspect(view.alive)
-        free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect)
+        free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect,
+                               group=self.spec.parallelism.tp)
         cur = self.group.shape.key if self.group.shape and not forced else None
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
                                 previous=self.group.shape,
@@ -343,7 +344,7 @@ class JobController:
         joined = len([c for c in move.keep if c not in g.workers]) if not move.forced else 0
         if move.forced:
             g.take_joined(move.keep)
-        sit = self._situation(kept=len(move.keep), exclude=move.exclude, forced=move.forced,
+        sit = self._situation(kept=len(g.whole_groups(move.keep)), exclude=move.exclude, forced=move.forced,
                               since=state.waited_since, joined=joined)
         d = policy.decide(sit, self.spec, self.layers.facts)
         if isinstance(d, (policy.Wait, policy.Fail)):

@@ -13,31 +13,33 @@ from actors.state import merge_states, subset_state
 
 class KeptCopies:
     def __init__(self):
-        self._copies: dict[tuple[int, int, int], dict] = {}  # (lo, hi, step) -> {step, model, optim}
+        # (lo, hi, plane, step) -> {step, model, optim}; the plane is the TP rank whose slices these are
+        self._copies: dict[tuple[int, int, int, int], dict] = {}
         self._lock = threading.Lock()
 
-    def keep(self, layers: tuple, step: int, state: dict) -> None:
-        """Keep ``state`` of layers [lo, hi) at ``step``: a range's two newest steps stay until
-        ``drop``, so every stage can go back one step together."""
+    def keep(self, layers: tuple, step: int, state: dict, plane: int = 0) -> None:
+        """Keep ``state`` of layers [lo, hi) (TP rank ``plane``'s slices) at ``step``: a range's
+        two newest steps stay until ``drop``, so every stage can go back one step together."""
         lo, hi = layers
         with self._lock:
-            self._copies[(lo, hi, step)] = state
-            for old in sorted(k[2] for k in self._copies if k[:2] == (lo, hi))[:-2]:
-                del self._copies[(lo, hi, old)]
+            self._copies[(lo, hi, plane, step)] = state
+            for old in sorted(k[3] for k in self._copies if k[:3] == (lo, hi, plane))[:-2]:
+                del self._copies[(lo, hi, plane, old)]
 
-    def export(self, layers: list[int], step: int, who: str) -> dict:
-        """The kept state of ``layers`` at ``step``."""
+    def export(self, layers: list[int], step: int, who: str, plane: int = 0) -> dict:
+        """The kept state of ``layers`` (TP rank ``plane``'s slices) at ``step``."""
         with self._lock:
-            held = {k: v for k, v in self._copies.items() if k[2] == step}
-        missing = set(layers) - {i for lo, hi, _ in held for i in range(lo, hi)}
+            held = {k: v for k, v in self._copies.items() if k[3] == step and k[2] == plane}
+        missing = set(layers) - {i for lo, hi, _, _ in held for i in range(lo, hi)}
         if missing:
-            raise RuntimeError(f"{who} keeps no copy of layers {sorted(missing)} at step {step}")
+            raise RuntimeError(f"{who} keeps no copy of layers {sorted(missing)}"
+                               f"{f' (TP rank {plane})' if plane else ''} at step {step}")
         return subset_state(merge_states(held.values()), set(layers))
 
     def drop(self, before: int) -> int:
         """Forget copies older than step ``before``; returns how many stay."""
         with self._lock:
-            self._copies = {k: v for k, v in self._copies.items() if k[2] >= before}
+            self._copies = {k: v for k, v in self._copies.items() if k[3] >= before}
             return len(self._copies)
 
 

@@ -38,7 +38,7 @@ class Move:
     forced: bool
     detected: float = field(default_factory=time.time)
     copy: Optional[dict] = None            # the off-node copy chosen for lost layers
-    copy_layers: Optional[set] = None      # the layers taken from it (None: all, when copy is given)
+    copy_layers: Optional[set] = None      # the (layer, TP rank) pieces taken from it (None: all, with copy)
     steps_lost: int = 0
     restored_from: Optional[str] = None
     restored_step: Optional[int] = None    # the step of that copy
@@ -131,20 +131,26 @@ class Reshaper:
         """Where the layers no donor holds come from: the newest off-node copy.  An older copy
         takes every stage back with it, so all layers agree (the steps since then re-run)."""
         move.committed = committed
-        held = {layer for c in move.donors for layer in self.group.layers_of(c)}
-        lost_layers = set(range(self.layers)) - held - self.stateless  # a stateless layer is rebuilt
-        if not lost_layers:
+        # state as (layer, TP rank) pieces: a tensor-parallel job's rank j holds rank j's slices
+        held = {piece for c in move.donors for piece in self.group.pieces_of(c)}
+        tp = self.group.shape.tp if self.group.shape else 1
+        stateful = {(i, j) for i in set(range(self.layers)) - self.stateless for j in range(tp)}
+        lost = stateful - held  # a stateless layer is rebuilt
+        if not lost:
             return
+        lost_layers = {i for i, _ in lost}
         self.keeper.settle()
-        copy = self.keeper.newest_copy(lost_layers, {h._actor_id.hex() for h in move.donors.values()}, committed,
-                                       set(range(self.layers)) - self.stateless)
+        # the copies kept by any live worker count (kept workers too: a reshape tried again after a worker
+        # was lost while state moved has no donors, but its kept workers still keep their copies)
+        alive = {h._actor_id.hex() for h in [*move.donors.values(), *move.keep.values()]}
+        copy = self.keeper.newest_copy(lost, alive, committed, stateful)
         if copy is None:
             raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
                              "off-node copy of them (enable elastic.snapshot_every_steps or checkpoint.every_steps; "
                              "the copy of a stage is kept on another node, so it survives one node at a time)")
         move.copy, move.restored_from, move.restored_step = copy, copy["source"], copy["step"]
         if copy["step"] == committed:
-            move.copy_layers = lost_layers
+            move.copy_layers = lost
         else:
             move.steps_lost, move.committed = committed - copy["step"], copy["step"]
 
@@ -178,9 +184,9 @@ class Reshaper:
             if spawned:
                 g.wait_ready(spawned)
             if copy is not None and copy_layers is None:
-                copy_layers = set(range(self.layers))
+                copy_layers = {(i, j) for i in range(self.layers) for j in range(shape.tp)}
             everyone = {**assign, **spawned}
-            old_layers = {h._actor_id.hex(): g.layers_of(c) for c, h in donors.items()}
+            old_layers = {h._actor_id.hex(): g.pieces_of(c) for c, h in donors.items()}
             sources = self.keeper.sources(shape, everyone, committed, copy=copy, copy_layers=copy_layers or set(),
                                           donors=donors, old_layers=old_layers, stateless=self.stateless)
             return g.configure(shape, why, everyone, committed, sources, boundary)
@@ -190,7 +196,11 @@ class Reshaper:
             raise
 
     def assign(self, shape: planner.Shape, keep: dict) -> dict:
-        """Give kept workers the cells whose layers they already hold (most overlap first)."""
+        """Give kept workers the cells whose layers they already hold (most overlap first).  With
+        tensor parallelism only whole TP groups are kept (a group sits on one node), each taking
+        a stage replica's group, its workers keeping their TP ranks."""
+        if shape.tp > 1:
+            return self._assign_groups(shape, keep)
         cells = shape.cells
         mine = {s: shape.layers_of(s) for s in range(shape.width)}
         pairs = []
@@ -206,6 +216,24 @@ class Reshaper:
                 continue
             assign[cell] = keep[c]
             used.add(c)
+        return assign
+
+    def _assign_groups(self, shape: planner.Shape, keep: dict) -> dict:
+        groups = []  # each kept whole group: the layers its rank 0 holds, its workers in TP rank order
+        whole = list(self.group.whole_groups(keep).items())
+        for k in range(0, len(whole), shape.tp):
+            members = whole[k:k + shape.tp]
+            groups.append((self.group.layers_of(members[0][0]), [h for _, h in members]))
+        pairs = sorted((-len(held & shape.layers_of(shape.slot(st))), (r, st), gi)
+                       for gi, (held, _) in enumerate(groups) for r in range(shape.dp) for st in range(shape.pp))
+        assign, used, taken = {}, set(), set()
+        for _, (r, st), gi in pairs:
+            if (r, st) in taken or gi in used:
+                continue
+            taken.add((r, st))
+            used.add(gi)
+            for j, h in enumerate(groups[gi][1]):
+                assign[(r, shape.slot(st, j))] = h
         return assign
 
 

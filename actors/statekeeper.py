@@ -9,6 +9,11 @@ and keeps it in its own memory), so the copy's cost is spread over the workers a
 it goes through the scheduler.  Only where every node runs a replica of the stage (one
 node, or dp at least the nodes) does the scheduler keep that stage's copy itself.
 
+With tensor parallelism (``parallelism.tp``) state is handled as (layer, TP rank) pieces: every
+shape of an elastic job has the same tp and splits each layer alike, so TP rank j of any shape
+holds the same slices.  The off-node copy is kept per (model chunk, TP rank), and a worker of
+rank j takes rank j's slices, from a copy or a live worker of that rank, never gathered.
+
 The interface the controller uses: ``take_snapshot`` after a commit, ``snapshot_landed``
 before the next commit, ``newest_copy`` when layers were lost, ``sources`` when installing
 a shape, checkpoints (actors/checkpoints.py) and ``write_final`` (each stage writes its own part)."""
@@ -31,7 +36,7 @@ class StateKeeper:
     def __init__(self, group: WorkerGroup, checkpoint_root: Optional[str], resume: Optional[str], timeout: float):
         self.group = group
         self.checkpoint_root, self.resume, self.timeout = checkpoint_root, resume, timeout
-        # copies by step: {step: {(lo, hi): [who keeps it: the peer worker, then the stage's own worker;
+        # copies by step: {step: {(lo, hi, TP rank): [who keeps it: the peer worker, then the stage's own worker;
         # or the state, kept here]}}: the newest complete step and the ranges of a newer one landed so far
         self.kept: dict[int, dict] = {}
         self.complete: Optional[int] = None
@@ -45,18 +50,20 @@ class StateKeeper:
     # ---------------------------------------------------------------- the off-node copy
 
     def _holders(self) -> dict:
-        """Per virtual stage (model chunk), who keeps its copy: a worker cell on a node that
-        runs no replica of it (spread over the candidates), else None: the scheduler."""
+        """Per virtual stage (model chunk) and TP rank (its *plane*: 0 without tensor
+        parallelism), who keeps its copy: a worker cell on a node that runs no replica of it
+        (spread over the candidates), else None: the scheduler."""
         g = self.group
         load: dict = {c: 0 for c in g.workers}
         out = {}
         for vs, (lo, hi) in enumerate(g.shape.bounds):
             s = g.shape.owner(vs)
             nodes = {g.node_of((r, g.shape.slot(s, j))) for r in range(g.shape.dp) for j in range(g.shape.reps[s])}
-            others = sorted((c for c in g.workers if g.node_of(c) not in nodes), key=lambda c: (load[c], c))
-            out[vs] = others[0] if others else None
-            if others:
-                load[others[0]] += hi - lo
+            for plane in range(g.shape.tp):
+                others = sorted((c for c in g.workers if g.node_of(c) not in nodes), key=lambda c: (load[c], c))
+                out[(vs, plane)] = others[0] if others else None
+                if others:
+                    load[others[0]] += hi - lo
         return out
 
     def take_snapshot(self, committed: int) -> None:
@@ -71,14 +78,14 @@ class StateKeeper:
         t0 = time.monotonic()
         g = self.group
         calls = {}
-        for vs, holder in self._holders().items():
+        for (vs, plane), holder in self._holders().items():
             lo, hi = g.shape.bounds[vs]
-            source = g.workers[(0, g.shape.slot(g.shape.owner(vs)))]
+            source = g.workers[(0, g.shape.slot(g.shape.owner(vs), plane))]
             if holder is None:
-                calls[(lo, hi)] = [(None, source.snapshot.remote(committed, False, (lo, hi)))]
+                calls[(lo, hi, plane)] = [(None, source.snapshot.remote(committed, False, (lo, hi)))]
             else:  # the peer keeps it, and so does the source until a newer copy is complete
                 h = g.workers[holder]
-                calls[(lo, hi)] = [([h, source], h.keep_copy.remote((lo, hi), source, committed))]
+                calls[(lo, hi, plane)] = [([h, source], h.keep_copy.remote((lo, hi), source, committed, plane))]
 
         def fetch():
             try:
@@ -92,7 +99,7 @@ class StateKeeper:
         self._thread.start()
 
     def _fetch(self, committed: int, calls: dict, t0: float, timeout: float) -> bool:
-        """Wait for the copy of step ``committed``: per stage range, the first of its calls
+        """Wait for the copy of step ``committed``: per stage range and plane, the first of its calls
         (a peer's ``keep_copy``, or a ``snapshot`` kept here) that succeeds, recorded as it
         lands.  False if a range got none."""
         deadline = time.monotonic() + timeout
@@ -132,9 +139,9 @@ class StateKeeper:
         if self.complete is not None and self.complete >= wanted:
             return True
         g = self.group
-        calls = {(lo, hi): [(None, g.workers[(r, g.shape.slot(g.shape.owner(vs)))].snapshot.remote(
-                             wanted, False, (lo, hi))) for r in range(g.shape.dp)]
-                 for vs, (lo, hi) in enumerate(g.shape.bounds)}
+        calls = {(lo, hi, j): [(None, g.workers[(r, g.shape.slot(g.shape.owner(vs), j))].snapshot.remote(
+                                wanted, False, (lo, hi))) for r in range(g.shape.dp)]
+                 for vs, (lo, hi) in enumerate(g.shape.bounds) for j in range(g.shape.tp)}
         return self._fetch(wanted, calls, time.monotonic(), timeout=3.0)
 
     @property
@@ -157,9 +164,9 @@ class StateKeeper:
 
     def newest_copy(self, lost: set, alive: set, committed: int, stateful: set) -> Optional[dict]:
         """The newest copy to restore from: the off-node copy of step ``committed`` when it holds
-        the ``lost`` layers (kept by workers in ``alive``, actor ids, or here); else an older
-        step's that holds every ``stateful`` layer (all go back to it); else the newest
-        checkpoint, if newer."""
+        the ``lost`` pieces ((layer, TP rank): a TP rank's slices of a layer; rank 0 without TP)
+        (kept by workers in ``alive``, actor ids, or here); else an older step's that holds every
+        ``stateful`` piece (all go back to it); else the newest checkpoint (whole), if newer."""
         best = None
         with self._cond:
             kept = {step: dict(ranges) for step, ranges in self.kept.items()}
@@ -169,7 +176,7 @@ class StateKeeper:
                 k = next((k for k in keepers if isinstance(k, dict) or k._actor_id.hex() in alive), None)
                 if k is not None:
                     ranges[r] = k
-            covered = {i for lo, hi in ranges for i in range(lo, hi)}
+            covered = {(i, j) for lo, hi, j in ranges for i in range(lo, hi)}
             if (lost if step == committed else stateful) <= covered:
                 where = "peer workers" if any(not isinstance(k, dict) for k in ranges.values()) else "the scheduler"
                 best = {"step": step, "ranges": ranges, "source": f"copy of step {step} kept by {where}"}
@@ -244,30 +251,33 @@ class StateKeeper:
 
     def sources(self, shape, assign: dict, committed: int, *, copy: Optional[dict], copy_layers: set,
                 donors: dict, old_layers: dict, stateless: set) -> dict:
-        """Per cell of ``assign``, the refs of the state of the layers its worker lacks: from
-        ``copy`` for ``copy_layers``, else exported by a live donor (cell -> worker that held
-        them, ``old_layers`` by actor id).  Layers with no state need nothing."""
+        """Per cell of ``assign``, the refs of the state its worker lacks, as (layer, TP rank)
+        pieces (a tensor-parallel worker of rank j needs rank j's slices of its layers; the
+        whole layers from a checkpoint serve any rank): from ``copy`` for ``copy_layers``
+        (pieces), else exported by a live donor of the same rank (cell -> worker that held
+        them, ``old_layers``: pieces by actor id).  Layers with no state need nothing."""
         if committed == 0:
             return {}
-        total = set(range(shape.layers))
-        copy_refs: dict = {}  # layers -> one ref, shared by the cells that need them
+        total = {(i, j) for i in range(shape.layers) for j in range(shape.tp)}
+        copy_refs: dict = {}  # (layers, rank) -> one ref, shared by the cells that need them
         out = {}
         for (r, s), h in assign.items():
-            need = shape.layers_of(s)
+            j = s % shape.tp
+            need = {(i, j) for i in shape.layers_of(s)}
             held = set() if copy_layers == total else old_layers.get(h._actor_id.hex(), set())
             refs = []
-            from_copy = set(need & copy_layers)
+            from_copy = need & copy_layers
             if from_copy and "path" in copy:  # a checkpoint: the worker reads its layers itself
-                refs.append({"checkpoint": copy["path"], "layers": sorted(from_copy)})
-            for (lo, hi), keeper in (copy or {}).get("ranges", {}).items():
-                part = tuple(sorted(i for i in from_copy if lo <= i < hi))
+                refs.append({"checkpoint": copy["path"], "layers": sorted(i for i, _ in from_copy)})
+            for (lo, hi, plane), keeper in (copy or {}).get("ranges", {}).items():
+                part = tuple(sorted(i for i, k in from_copy if k == plane and lo <= i < hi))
                 if not part:
                     continue
-                if part not in copy_refs:  # kept here (a state) or by a peer worker (its handle)
-                    copy_refs[part] = (ray.put(subset_state(keeper, set(part))) if isinstance(keeper, dict)
-                                       else keeper.export_copy.remote(list(part), copy["step"]))
-                refs.append(copy_refs[part])
-            missing = need - held - copy_layers - stateless
+                if (part, plane) not in copy_refs:  # kept here (a state) or by a peer worker (its handle)
+                    copy_refs[(part, plane)] = (ray.put(subset_state(keeper, set(part))) if isinstance(keeper, dict)
+                                                else keeper.export_copy.remote(list(part), copy["step"], plane))
+                refs.append(copy_refs[(part, plane)])
+            missing = need - held - copy_layers - {(i, j) for i in stateless}
             refs += self._exports(sorted(missing), committed, donors, old_layers)
             out[(r, s)] = refs
         # every copy is taken before any donor reconfigures (and drops layers it no longer keeps)
@@ -278,11 +288,13 @@ class StateKeeper:
 
     @staticmethod
     def _exports(missing: list, committed: int, donors: dict, old_layers: dict) -> list:
+        """Export calls for the ``missing`` pieces, each from a donor holding it."""
         by_donor: dict = {}
-        for layer in missing:
-            donor = next((d for d in donors.values() if layer in old_layers[d._actor_id.hex()]), None)
+        for layer, rank in missing:
+            donor = next((d for d in donors.values() if (layer, rank) in old_layers[d._actor_id.hex()]), None)
             if donor is None:
-                raise JobFailure(f"no live copy of layer {layer} at step {committed}")
+                raise JobFailure(f"no live copy of layer {layer}{f' (TP rank {rank})' if rank else ''} at step "
+                                 f"{committed}")
             by_donor.setdefault(donor._actor_id.hex(), (donor, []))[1].append(layer)
         return [donor.export.remote(layers, committed) for donor, layers in by_donor.values()]
 

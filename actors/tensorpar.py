@@ -143,7 +143,8 @@ class TensorParallel:
                 "groups": state["groups"]}
 
     def local_optim(self, state: dict, params: dict) -> dict:
-        """A whole optimizer state by name, as this rank's DTensors for ``params`` (name -> param)."""
+        """A whole optimizer state by name (or this rank's slices of it), as this rank's DTensors
+        for ``params`` (name -> param)."""
         from torch.distributed.tensor import DTensor
 
         out = {}
@@ -153,20 +154,33 @@ class TensorParallel:
                 out[n] = s
                 continue
             sp = self.splits.get(n)
-            out[n] = {k: (DTensor.from_local((self._slice(v, sp) if sp else v).clone(), p.device_mesh, p.placements,
-                                             run_check=False) if torch.is_tensor(v) and v.dim() > 0 else v)
+            # a whole entry is sliced; one that is this rank's slice already (a copy of an earlier shape's
+            # same rank) is taken as it is
+            out[n] = {k: (DTensor.from_local((self._slice(v, sp) if sp and v.shape == p.shape else v).clone(),
+                                             p.device_mesh, p.placements, run_check=False)
+                          if torch.is_tensor(v) and v.dim() > 0 else v)
                       for k, v in s.items()}
         return {"state": out, "groups": state["groups"]}
 
 
+def local(v):
+    """``v`` with every DTensor in it (a tensor, or a dict of them) as this rank's local part."""
+    if isinstance(v, dict):
+        return {k: local(x) for k, x in v.items()}
+    return v.to_local() if hasattr(v, "to_local") else v
+
+
 class CollectiveBytes:
     """Payload bytes of the collectives DTensor runs inside the layers (the functional
-    collectives its redistributions call), counted in this process: what TP moves a step."""
+    collectives its redistributions call), counted in this process: what TP moves a step.
+    A failure of one of them (or of its wait) is noted too: it runs inside the user's layers,
+    where an error would otherwise read as the user's, but it means a TP peer was lost."""
 
     NAMES = ("all_reduce", "all_gather_single", "reduce_scatter_single", "all_gather_tensor",
              "reduce_scatter_tensor", "all_to_all_single")
     bytes = 0
     calls = 0
+    failed: Optional[BaseException] = None
     _installed = False
 
     @classmethod
@@ -175,20 +189,30 @@ class CollectiveBytes:
             return
         import torch.distributed._functional_collectives as funcol
 
-        for name in cls.NAMES:
+        for name in cls.NAMES + ("wait_tensor",):
             orig = getattr(funcol, name, None)
             if orig is None:
                 continue
 
-            def counted(*a, _orig=orig, **k):
+            def counted(*a, _orig=orig, _count=name != "wait_tensor", **k):
                 t = a[0] if a else None
-                if torch.is_tensor(t):
+                if _count and torch.is_tensor(t):
                     cls.bytes += t.numel() * t.element_size()
                     cls.calls += 1
-                return _orig(*a, **k)
+                try:
+                    return _orig(*a, **k)
+                except Exception as e:
+                    cls.failed = e
+                    raise
 
             setattr(funcol, name, counted)
         cls._installed = True
+
+    @classmethod
+    def take_failure(cls) -> Optional[BaseException]:
+        """The failure of a collective since the last call, if any."""
+        out, cls.failed = cls.failed, None
+        return out
 
     @classmethod
     def take(cls) -> tuple[int, int]:

@@ -31,10 +31,10 @@ import torch
 from torch import nn
 
 from actors.copies import KeptCopies, Uploads
-from actors.failures import talking_to_peers
+from actors.failures import PeerLost, talking_to_peers
 from actors.output import OutputTap
 from actors.stage import Cell, Recipe, StepRunner
-from actors.tensorpar import CollectiveBytes
+from actors.tensorpar import CollectiveBytes, local
 from actors.state import (clone, empty, has_state, layer_of, load_optimizer_state, merge_states,
                           optimizer_state_by_name)
 from actors.transport import Inbox
@@ -155,16 +155,17 @@ class StageWorker:
         return model, opt
 
     def _state(self, layers: Optional[set[int]] = None) -> dict:
-        if self.cell.tp > 1:  # (elastic jobs are refused with tp > 1: no reshape asks for a stage's state)
-            raise RuntimeError(f"{self!r}: a tensor-parallel stage's state is only written whole by its TP rank 0 "
-                               "(checkpoints, the final model)")
+        """A copy of this stage's committed state (of ``layers``), by name.  A tensor-parallel
+        rank's is its own slices of the split parameters (and of their optimizer state), with
+        the whole ones: what the same rank of another shape with the same tp takes (elastic
+        reshapes keep tp); checkpoints and the final model are gathered whole instead (_whole)."""
         names = self.param_names
         model = dict(self.stage.state_dict())
         opt = optimizer_state_by_name(self.optimizer, names) if self.optimizer else {"state": {}, "groups": None}
         keep = (lambda n: True) if layers is None else (lambda n: layer_of(n) in layers)
         return {"step": self.applied,
-                "model": {k: clone(v) for k, v in model.items() if keep(k)},
-                "optim": {"state": {k: clone(v) for k, v in opt["state"].items() if keep(k)},
+                "model": {k: clone(local(v)) for k, v in model.items() if keep(k)},
+                "optim": {"state": {k: clone(local(v)) for k, v in opt["state"].items() if keep(k)},
                           "groups": opt["groups"]}}
 
     def export(self, layers: list[int], committed: int) -> dict:
@@ -184,28 +185,29 @@ class StageWorker:
                 self._settle(committed)
             state = self._state(set(range(lo, hi)) if layers else None) if self.applied == committed else None
         if state is not None and keep:
-            self.copies.keep((lo, hi), committed, state)
+            self.copies.keep((lo, hi), committed, state, self.cell.tp_rank)
         return state
 
     # ---------------------------------------------------------------- peer copies
 
-    def keep_copy(self, layers: tuple, source, committed: int) -> int:
+    def keep_copy(self, layers: tuple, source, committed: int, plane: int = 0) -> int:
         """Fetch and keep a copy of layers [lo, hi) at step ``committed`` from ``source`` (the
-        worker that trains them, on another node): this worker is their off-node copy.  The
-        result is owned by this process, so it outlives ``source``.  Returns the step kept,
-        or -1 when the source has moved on."""
+        worker that trains them, on another node; ``plane``: its TP rank, whose slices these
+        are): this worker is their off-node copy.  The result is owned by this process, so it
+        outlives ``source``.  Returns the step kept, or -1 when the source has moved on."""
         import ray
 
         with talking_to_peers(f"fetching a copy of layers {layers[0]}-{layers[1] - 1}"):
             state = ray.get(source.snapshot.remote(committed, keep=True, layers=tuple(layers)), timeout=self.timeout)
         if state is None:
             return -1
-        self.copies.keep(tuple(layers), committed, state)
+        self.copies.keep(tuple(layers), committed, state, plane)
         return committed
 
-    def export_copy(self, layers: list[int], committed: int) -> dict:
-        """The kept copy of ``layers`` at step ``committed`` (for a worker that takes them)."""
-        return self.copies.export(layers, committed, repr(self))
+    def export_copy(self, layers: list[int], committed: int, plane: int = 0) -> dict:
+        """The kept copy of ``layers`` (TP rank ``plane``'s slices) at step ``committed`` (for a
+        worker that takes them)."""
+        return self.copies.export(layers, committed, repr(self), plane)
 
     def drop_copies(self, before: int) -> int:
         """Forget kept copies older than step ``before`` (a newer copy is complete)."""
@@ -303,9 +305,15 @@ class StageWorker:
             committed = cell["committed"]
             self._settle(committed)
             incoming = self._fetch(sources)
-            if self.cell is not None and self.cell.tp > 1:  # split under the old group: built anew, state from copies
+            old = self.cell
+            new = Cell.from_config(cell, self.spec.microbatches)
+            if old is not None and old.tp > 1:  # split under the old group: built anew
+                if (old.tp, old.tp_rank) == (new.tp, new.tp_rank) and self.applied == committed:
+                    # its own slices of the layers it keeps (what arrived overrides them)
+                    mine = self._state({i for lo, hi in new.ranges for i in range(lo, hi)})
+                    incoming = merge_states([mine, incoming])
                 self.layers, self.optimizer, self.param_names = {}, None, []
-            self.cell = Cell.from_config(cell, self.spec.microbatches)
+            self.cell = new
             held = [i for lo, hi in self.cell.ranges for i in range(lo, hi)]
             self.bounds = [tuple(b) for b in cell["bounds"]]
             self._split_later = None
@@ -452,10 +460,25 @@ class StageWorker:
             layers[i] = self._take_layers([i], committed, covered)[i]
             one = nn.Sequential(OrderedDict([(self.recipe.names[i], layers[i])]))
             mine = one.state_dict()
+            slices = {}  # this rank's slices (from a copy of the same rank of an earlier shape)
             with torch.no_grad():
                 for k in [k for k in model if k in mine]:
-                    mine[k].copy_(model.pop(k).to(self.device))  # each whole tensor goes once copied
+                    v = model.pop(k)
+                    if v.shape == mine[k].shape:
+                        mine[k].copy_(v.to(self.device))  # each whole tensor goes once copied
+                    else:
+                        slices[k] = v
             tp.shard(one)
+            if slices:
+                mine = one.state_dict()
+                with torch.no_grad():
+                    for k, v in slices.items():
+                        part = local(mine[k])
+                        if part.shape != v.shape:
+                            raise RuntimeError(f"{self!r}: the state of {k} that arrived has shape {tuple(v.shape)}, "
+                                               f"neither the whole {tuple(mine[k].shape)} nor this TP rank's "
+                                               f"{tuple(part.shape)}")
+                        part.copy_(v.to(self.device))
         self._assemble(layers)
         self.param_names = [n for n, _ in self.stage.named_parameters()]
         self.optimizer = build_optimizer(self.spec, self.stage.parameters())
@@ -521,6 +544,7 @@ class StageWorker:
             self.inbox.drop_before(step)
             c = self.cell
             xs, ys = self._my_batch(step) if (c.first or c.last) else (None, None)
+            CollectiveBytes.take_failure()
             if self.tp is not None:
                 CollectiveBytes.take()
             result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None)
@@ -531,11 +555,24 @@ class StageWorker:
             self.norms_update = self.runner.take_norm_update()
             self.pending = step
             return dict(result, called=called, settled=settled, output=self.output.take())
-        except BaseException:
+        except BaseException as e:
             self.pending = None
+            lost = self._as_peer_loss(e)
             # peers may wait on us: close our side of the group so they fail fast too
             self._leave_group()
+            if lost is not None:
+                raise lost from e
             raise
+
+    def _as_peer_loss(self, e: BaseException) -> Optional[PeerLost]:
+        """``e`` as a lost peer when it is one though it came out of the user's layers: a
+        tensor-parallel collective inside them failed (its peer's connection closed), or the
+        step was discarded (the abort closes the connections under whatever ran)."""
+        failed = CollectiveBytes.take_failure()
+        if isinstance(e, PeerLost) or not isinstance(e, Exception) or (failed is None and not self._aborted):
+            return None
+        why = "the step was discarded" if self._aborted else "a tensor-parallel collective inside the layers failed"
+        return PeerLost(f"{why}: {type(e).__name__}: {e}")
 
     def run_eval(self, committed: int) -> dict:
         """The evaluation (spec ``eval``) with the parameters of ``committed`` steps: this
@@ -545,12 +582,16 @@ class StageWorker:
             if self.applied != committed:
                 raise RuntimeError(f"{self!r} is at step {self.applied} but was asked to evaluate step {committed}")
         try:
+            CollectiveBytes.take_failure()
             xs, ys = self._eval_batches()
             result = self.runner.evaluate(committed, xs, ys, self.spec.eval.batches,
                                           aborted=lambda: self._aborted is not None)
             return dict(result, output=self.output.take())
-        except BaseException:
+        except BaseException as e:
+            lost = self._as_peer_loss(e)
             self._leave_group()  # peers may wait on us: they fail fast too
+            if lost is not None:
+                raise lost from e
             raise
 
     def _eval_batches(self):

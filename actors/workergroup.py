@@ -45,6 +45,10 @@ class WorkerGroup:
         self.gen = 0
         self.gpus = 0.0
         self.pg = None
+        # an elastic job's tensor-parallel groups: one placement group each (STRICT_PACK: one node), so a
+        # worker's group is its placement group and its TP rank its bundle: actor id -> (group id, rank)
+        self.tp_groups: dict[str, tuple[str, int]] = {}
+        self._group_pgs: dict[str, Any] = {}
         self.skips: list = []                            # the model's skips, from its trace (actors/portals.py)
         self.shape: Optional[planner.Shape] = None
         self.joining: Optional[Joining] = None
@@ -71,14 +75,48 @@ class WorkerGroup:
         tp = self.spec.parallelism.tp
         if not self.elastic:  # a fixed shape is placed all at once, packed; a TP group in one bundle (one node)
             self._reserve(len(cells) // tp, {"CPU": cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})})
-        out = {}
+        out, pg = {}, None
         for i, (r, s) in enumerate(cells):
             name = actor_names[i] if actor_names else names.worker_name(self.job_id, r, s, self.gen + 1 if self.gen else 0)
             extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i // tp)} if self.pg else {}
+            if self.elastic and tp > 1:  # each TP group on one node, whatever node it gets
+                if i % tp == 0:
+                    pg = placement_group([{"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})}] * tp,
+                                         strategy="STRICT_PACK", lifetime="detached" if self.detached else None)
+                    self._group_pgs[pg.id.hex()] = pg
+                extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, i % tp)}
             h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
             self.names[h._actor_id.hex()] = name
+            if self.elastic and tp > 1:
+                self.tp_groups[h._actor_id.hex()] = (pg.id.hex(), i % tp)
             out[(r, s)] = h
         return out
+
+    def whole_groups(self, handles: dict) -> dict:
+        """Of ``handles`` (key -> worker), those whose whole tensor-parallel group is among them
+        (all of them without TP), each group's workers in TP rank order."""
+        tp = self.spec.parallelism.tp
+        if tp == 1 or not self.elastic:
+            return dict(handles)
+        groups: dict = {}
+        for k, h in handles.items():
+            gid, rank = self.tp_groups.get(h._actor_id.hex(), (None, None))
+            if gid is not None:
+                groups.setdefault(gid, {})[rank] = k
+        return {k: handles[k] for gid in sorted(groups) if len(groups[gid]) == tp
+                for _, k in sorted(groups[gid].items())}
+
+    def _release_groups(self) -> None:
+        """Remove the placement groups of TP groups none of whose workers runs any more (a
+        group that lost a worker is stopped whole; its bundles would otherwise hold CPUs, or be
+        placed again elsewhere when its node died)."""
+        live = {self.tp_groups.get(h._actor_id.hex(), (None,))[0]
+                for h in list(self.workers.values()) + (self.joining.handles if self.joining else [])}
+        for gid in [gid for gid in self._group_pgs if gid not in live]:
+            try:
+                remove_placement_group(self._group_pgs.pop(gid))
+            except Exception:
+                pass
 
     def _reserve(self, n: int, bundle: dict) -> None:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
@@ -182,6 +220,16 @@ class WorkerGroup:
 
     def layers_of(self, c: Cell) -> set[int]:
         return {i for lo, hi in self.where[c]["layers"] for i in range(lo, hi)} if c in self.where else set()
+
+    def tp_rank(self, c: Cell) -> int:
+        """The tensor-parallel rank of the worker of cell ``c`` in the current shape (0 without TP)."""
+        return c[1] % self.shape.tp if self.shape is not None and c in self.where else 0
+
+    def pieces_of(self, c: Cell) -> set[tuple[int, int]]:
+        """The state the worker of cell ``c`` holds, as (layer, TP rank) pieces: with tensor
+        parallelism a worker holds its rank's slices of its layers (rank 0 only without)."""
+        j = self.tp_rank(c)
+        return {(i, j) for i in self.layers_of(c)}
 
     def node_of(self, c: Cell) -> Optional[str]:
         return self.where.get(c, {}).get("node")
@@ -297,6 +345,7 @@ class WorkerGroup:
         for h in handles:
             if h not in current:
                 kill(h)
+        self._release_groups()
 
     def teardown(self) -> None:
         for w in list(self.workers.values()) + (self.joining.handles if self.joining else []):
@@ -306,7 +355,8 @@ class WorkerGroup:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
-        self.workers = {}
+        self.workers, self.joining = {}, None
+        self._release_groups()
 
 
 def kill(handle) -> None:

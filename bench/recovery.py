@@ -1,6 +1,7 @@
 """Seconds from a node removal to the next committed step: relaytrain beside Ray Train.
 
     .venv/bin/python bench/recovery.py [--removals 5] [--nodes 3] [--no-raytrain]
+    .venv/bin/python bench/recovery.py --tp 2 [--d-model 256] [--removals 3] [--nodes 3]
 
 A simulated cluster (ray.cluster_utils.Cluster: a head with no CPUs and N one-CPU worker
 nodes) runs an elastic relaytrain job (an MLP 64 -> 128 x 3 -> 10 on digits, global batch
@@ -14,6 +15,11 @@ The same removals are then made against Ray Train's elastic TorchTrainer
 (``bench/raytrain_recovery.py``, run as a subprocess: each needs its own Ray).
 
 Prints a table and writes bench/results/recovery.json and recovery.txt.
+
+With ``--tp t`` the job is the built-in GPT (4 blocks of width ``--d-model``) split over TP
+groups of t, on nodes of t CPUs (dp = N groups, pp = 1), beside the same GPT at tp = 1 on
+nodes of one CPU: what a lost node costs a tensor-parallel job (its group's replica is dropped,
+then grown back, the new group taking every slice rank by rank).  Writes recovery_tp.json/.txt.
 """
 from __future__ import annotations
 
@@ -50,7 +56,24 @@ def spec(nodes: int):
     })
 
 
-def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> dict:
+def gpt_spec(nodes: int, tp: int, d_model: int, tokens: str):
+    from service.spec import parse_spec
+
+    return parse_spec({
+        "name": f"recovery-bench-tp{tp}",
+        "model": {"kind": "gpt", "args": {"vocab_size": 256, "seq_len": 64, "d_model": d_model,
+                                          "n_heads": max(2, d_model // 64), "n_layers": 4}},
+        "data": {"kind": "tokens", "args": {"path": tokens, "seq_len": 64}}, "loss": "cross_entropy",
+        "optimizer": {"name": "adamw", "lr": 0.001},
+        "training": {"global_batch_size": 12 * nodes, "microbatch_size": 2, "steps": 1_000_000, "seed": 0},
+        "parallelism": {"dp": nodes, "pp": 1, "tp": tp, "transport": "collective",
+                        "layer_costs_ms": [1, 10, 10, 10, 10, 1, 1]},
+        "elastic": {"enabled": True, "min_workers": tp, "max_workers": nodes * tp, "grow_payback_s": 0},
+    })
+
+
+def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15, tp: int = 0, d_model: int = 256) -> dict:
+    """``tp`` > 0: the GPT at that tp on nodes of tp CPUs (0: the MLP on 1-CPU nodes)."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -58,10 +81,19 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> di
 
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
     ray.init(address=cluster.address, logging_level="ERROR")
+    cpus = max(tp, 1)
     for _ in range(nodes):
-        cluster.add_node(num_cpus=1)
+        cluster.add_node(num_cpus=cpus)
     cluster.wait_for_nodes()
-    job = spec(nodes)
+    if tp:
+        import numpy as np
+
+        tokens = os.path.join(tempfile.mkdtemp(prefix="relaytrain-recovery-"), "train.bin")
+        np.random.default_rng(0).integers(0, 256, 200_000).astype(np.uint16).tofile(tokens)
+        job = gpt_spec(nodes, tp, d_model, tokens)
+    else:
+        job = spec(nodes)
+    workers = nodes * cpus
     out = tempfile.mkdtemp(prefix="relaytrain-recovery-")
     done: dict = {}
     t = threading.Thread(target=lambda: done.setdefault("r", _run(run_job, job, out)), daemon=True)
@@ -87,7 +119,7 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> di
 
     results = []
     try:
-        p = wait_for(lambda p: p["step"] >= steps_between and len(p["shape"].get("workers", {})) == nodes)
+        p = wait_for(lambda p: p["step"] >= steps_between and len(p["shape"].get("workers", {})) == workers)
         for i in range(removals):
             victim = p["shape"]["workers"][f"w{nodes - 1}.0"]
             before = max(r["step"] for r in rows)
@@ -105,7 +137,7 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> di
                             "old_shape": ev["old_shape"], "new_shape": ev["new_shape"],
                             "steps_committed_after_removal_by_old_shape": max(0, ev["step"] - 1 - before)})
             print(f"relaytrain removal {i + 1}: {results[-1]}", flush=True)
-            cluster.add_node(num_cpus=1)
+            cluster.add_node(num_cpus=cpus)
             grown = len([e for e in events if e["type"] == "reshape"]) + 1
             wait_for(lambda p: len([e for e in events if e["type"] == "reshape"]) >= grown, timeout=180)
             mark = max(r["step"] for r in rows)
@@ -116,7 +148,11 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15) -> di
         ray.shutdown()
         cluster.shutdown()
     rec = [r["recovery_s"] for r in results]
-    return {"recoveries_s": rec, "median_s": statistics.median(rec), "worst_s": max(rec), "details": results}
+    grows = [e for e in events if e["type"] == "reshape" and "joined" in e["reason"]]
+    return {"recoveries_s": rec, "median_s": statistics.median(rec), "worst_s": max(rec), "details": results,
+            "grow_detect_to_commit_s": [round(e["recovery_s"], 3) for e in grows],
+            "grow_phases_s": [e.get("phases_s") for e in grows],
+            "step_time_s": statistics.median(r["step_time_s"] for r in rows[-20:]) if rows else None}
 
 
 def _run(run_job, job, out):
@@ -151,8 +187,12 @@ def main() -> None:
     ap.add_argument("--nodes", type=int, default=3)
     ap.add_argument("--no-raytrain", action="store_true",
                     help="do not run Ray Train again; reuse bench/results/raytrain_recovery.json if present")
+    ap.add_argument("--tp", type=int, default=0, help="measure the GPT at this tp beside tp = 1 instead")
+    ap.add_argument("--d-model", type=int, default=256, help="the GPT's width (with --tp)")
     args = ap.parse_args()
     RESULTS.mkdir(parents=True, exist_ok=True)
+    if args.tp:
+        return tp_table(args)
     ours = measure_relaytrain(args.removals, args.nodes)
     theirs = None if args.no_raytrain else measure_raytrain(min(args.removals, 3))
     saved = RESULTS / "raytrain_recovery.json"
@@ -171,6 +211,23 @@ def main() -> None:
     print(table)
     (RESULTS / "recovery.txt").write_text(table + "\n")
     (RESULTS / "recovery.json").write_text(json.dumps({"relaytrain": ours, "raytrain": theirs}, indent=2))
+
+
+def tp_table(args) -> None:
+    out = {}
+    lines = ["| GPT d_model | tp | nodes x CPUs | removals | median s | worst s | grow-back detect->commit s |",
+             "|---|---|---|---|---|---|---|"]
+    for tp in (1, args.tp):
+        r = out[f"tp{tp}"] = measure_relaytrain(args.removals, args.nodes, tp=tp, d_model=args.d_model)
+        grow = r["grow_detect_to_commit_s"]
+        lines.append(f"| {args.d_model} | {tp} | {args.nodes} x {tp} | {len(r['recoveries_s'])} | {r['median_s']:.2f} | "
+                     f"{r['worst_s']:.2f} | {statistics.median(grow) if grow else float('nan'):.2f} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print(table)
+    name = f"recovery_tp_d{args.d_model}"
+    (RESULTS / f"{name}.txt").write_text(table + "\n")
+    (RESULTS / f"{name}.json").write_text(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

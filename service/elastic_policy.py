@@ -76,13 +76,13 @@ def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
     """The planner's answer for this job over ``slots`` (the one place its arguments are spelled)."""
     e, p, res = spec.elastic, spec.parallelism, spec.resources
     mem = res.memory_per_worker_mb
-    preferred = (p.dp, p.pp, p.replica_counts) if p.replica_counts else (p.dp, p.pp)
+    preferred = (p.dp, p.pp, p.replica_counts) if p.replica_counts else (p.dp, p.pp) + ((p.tp,) if p.tp > 1 else ())
     return planner.plan(slots, facts, spec.training.global_batch_size, spec.training.microbatch_size,
                         preferred=preferred, min_workers=e.min_workers, max_workers=e.max_workers,
                         replicas=p.replicas, previous=previous,
                         schedule=p.schedule, chunks=p.chunks, transport=p.transport, optimizer=spec.optimizer.name,
                         partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
-                        current=current, min_gain=e.min_gain)
+                        current=current, min_gain=e.min_gain, tp=p.tp)
 
 
 def decide(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:

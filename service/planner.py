@@ -309,9 +309,11 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
          schedule: str = "1f1b", transport: str = "collective", optimizer: str = "adam",
          partition_rule: Union[str, list[int]] = "balanced", memory_bytes: Optional[float] = None,
          current: Optional[tuple] = None, min_gain: float = 0.10, chunks: int = 1,
-         replicas: Union[str, Sequence[int], None] = None, previous: Optional[Shape] = None) -> Decision:
+         replicas: Union[str, Sequence[int], None] = None, previous: Optional[Shape] = None,
+         tp: int = 1) -> Decision:
     """Choose the shape for ``slots`` alive worker slots (``chunks``: model chunks per worker,
-    ``parallelism.stages_per_worker``).
+    ``parallelism.stages_per_worker``; ``tp``: each stage's tensor-parallel group, kept by every
+    shape: a shape has dp x pp x tp workers, and ``slots`` count whole TP groups).
 
     - Only shapes with dp x pp in [min_workers, min(slots, max_workers)], M % dp == 0,
       pp x chunks <= layers and (when ``memory_bytes`` is given) a fitting stage are considered.
@@ -330,9 +332,13 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
     if cap < min_workers:
         return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive, "
                               f"the job needs at least elastic.min_workers={min_workers}", slots)
+    if cap < tp:
+        return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive in whole "
+                              f"tensor-parallel groups, the job needs a group of parallelism.tp={tp} workers on one "
+                              "node", slots)
     model = dict(schedule=schedule, transport=transport, optimizer=optimizer)
     shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, partition_rule=partition_rule,
-                                  chunks=chunks, **model)
+                                  chunks=chunks, tp=tp, **model)
     if replicas is not None:
         more = _replica_candidates(facts, M, min_workers, cap, replicas, previous, partition_rule, **model)
         shapes += [s for s in more if memory_bytes is None or s.memory_bytes <= memory_bytes]
@@ -388,16 +394,17 @@ def _replica_candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, r
 
 
 def _candidates(facts: LayerFacts, M: int, min_workers: int, cap: int, memory_bytes: Optional[float],
-                chunks: int = 1, **model) -> tuple[list[Shape], list[Shape]]:
+                chunks: int = 1, tp: int = 1, **model) -> tuple[list[Shape], list[Shape]]:
     """Every shape of ``min_workers..cap`` workers whose replicas share the ``M`` microbatches
     evenly and whose pp x ``chunks`` virtual stages each get a layer, modelled (``model``:
-    :func:`model_shape`'s other keywords): those that fit ``memory_bytes`` and those too big."""
+    :func:`model_shape`'s other keywords): those that fit ``memory_bytes`` and those too big.
+    With ``tp`` > 1 every stage has tp workers (dp x pp x tp in all)."""
     shapes, too_big = [], []
-    for pp in range(1, min(facts.layers // chunks, cap) + 1):
-        for dp in range(1, cap // pp + 1):
-            if M % dp or dp * pp < min_workers:
+    for pp in range(1, min(facts.layers // chunks, cap // tp) + 1):
+        for dp in range(1, cap // (pp * tp) + 1):
+            if M % dp or dp * pp * tp < min_workers:
                 continue
-            s = model_shape(facts, dp, pp, M, chunks=chunks, **model)
+            s = model_shape(facts, dp, pp, M, chunks=chunks, tp=tp, **model)
             (too_big if memory_bytes is not None and s.memory_bytes > memory_bytes else shapes).append(s)
     return shapes, too_big
 

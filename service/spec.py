@@ -342,10 +342,6 @@ class JobSpec(_Strict):
                 f"the preferred shape parallelism.dp x parallelism.pp ({p.dp} x {p.pipeline_workers} = "
                 f"{p.dp * p.pipeline_workers} workers) must lie within elastic.min_workers..max_workers "
                 f"({e.min_workers}..{e.max_workers})")
-        if p.tp > 1 and e.enabled:
-            raise ValueError(f"parallelism.tp {p.tp} is not elastic yet: a reshape moves whole layers between workers, "
-                             "and a tensor-parallel stage's layers are split over its TP group; set elastic.enabled "
-                             "false (a fixed shape; checkpoints resume at any dp, pp and tp), or use tp 1")
         if p.tp > 1 and t.batch_norm == "global":
             raise ValueError("training.batch_norm: global is not built for tensor-parallel stages (parallelism.tp "
                              f"{p.tp}): use batch_norm: deferred")

@@ -460,3 +460,101 @@ def test_each_tp_group_is_placed_on_one_node(cluster, tmp_path, tmp_path_factory
     finally:
         for node in big:
             cluster.remove_node(node)
+
+
+def tp_elastic_spec(tokens, name, dp, pp, steps, **elastic):
+    """The built-in GPT split over TP groups of 2 (tests/test_tensor_parallel.py), elastic: the
+    planner keeps tp = 2 and chooses dp x pp; its costs are declared (a pipeline pays)."""
+    from tests.test_tensor_parallel import tp_spec
+
+    d = tp_spec(tokens, dp, pp, 2, steps=steps).model_dump(mode="json")
+    d["name"] = name
+    d["parallelism"]["layer_costs_ms"] = [1, 10, 10, 1, 1]
+    d["optimizer"] = {"name": "sgd", "lr": 0.05, "momentum": 0.9}  # Adam magnifies summation-order noise (README)
+    d["elastic"] = {"enabled": True, "min_workers": 2, "max_workers": 4, "grow_payback_s": 0, **elastic}
+    return parse_spec(d)
+
+
+@pytest.fixture
+def tp_nodes(cluster, tmp_path_factory):
+    """Nodes of 2 CPUs (a TP group of 2 each) instead of the module's 1-CPU nodes, and a token file."""
+    import numpy as np
+
+    with_nodes(cluster, 0)
+    added = []
+
+    def add(n=1):
+        for _ in range(n):
+            added.append(cluster.add_node(num_cpus=2))
+        cluster.wait_for_nodes()
+
+    path = tmp_path_factory.mktemp("tp-tokens") / "train.bin"
+    np.random.default_rng(0).integers(0, 64, 16 * 17 * 12).astype(np.uint16).tofile(path)
+    yield add, str(path)
+    for node in added:
+        if node in cluster.worker_nodes:
+            cluster.remove_node(node, allow_graceful=False)
+
+
+def check_tp_result(result, spec, tmp_path):
+    import torch
+
+    from tests.test_large_models import assert_equal
+
+    rows = [m for m in result["metrics"] if not m.get("rerun")]
+    assert [m["step"] for m in rows] == list(range(1, spec.training.steps + 1))  # every step committed once
+    want, losses = reference.train(spec)
+    assert [m["loss"] for m in rows] == pytest.approx(losses, rel=1e-9)
+    assert_equal(torch.load(tmp_path / "model.pt"), want)
+    assert all(m["tp"] == 2 for m in rows)
+
+
+def test_a_tp_stage_whose_only_group_loses_its_node_comes_back_from_the_kept_slices(cluster, tp_nodes, tmp_path):
+    """Elastic tensor parallelism, TP groups of 2 on 2-CPU nodes: a (1,2,2) job loses the node
+    of stage 1's group.  It goes on at (1,1,2) on the other node, whose group keeps its own
+    slices of stage 0 and takes stage 1's from the copies it kept of them (each rank its own
+    rank's slices: shapes with the same tp split every layer alike).  Every step commits once
+    and the result equals the one-process loop."""
+    add, tokens = tp_nodes
+    add(2)
+    spec = tp_elastic_spec(tokens, "tp-lose-node", 1, 2, steps=40, min_gain=0.5)  # keeps the preferred 1x2x2
+    job = Job(spec, tmp_path)
+    p = job.wait_step(6)
+    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (1, 2, 2), p["shape"]
+    workers = p["shape"]["workers"]
+    assert workers["w0.0"] == workers["w0.1"] and workers["w0.2"] == workers["w0.3"] != workers["w0.0"]
+    time.sleep(0.2)  # mid-step
+    cluster.remove_node(node_of(cluster, workers["w0.2"]), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    check_tp_result(result, spec, tmp_path)
+    [lost] = events(result, "reshape")
+    assert lost["old_shape"] == [1, 2] and lost["new_shape"] == [1, 1]
+    assert lost["restored_from"] == f"copy of step {lost['restored_from_step']} kept by peer workers"
+    assert lost["steps_lost"] in (0, 1)
+
+
+def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_nodes, tmp_path):
+    """A (2,1,2) job on two 2-CPU nodes loses one worker (TP rank 1 of replica 1): that replica's
+    group is stopped whole and the job goes on at (1,1,2) with no state moved; once the broken
+    group's slots are free again it grows back to (2,1,2), the new group taking every slice from
+    the old one, rank by rank.  The result equals the one-process loop."""
+    import ray
+
+    add, tokens = tp_nodes
+    add(2)
+    spec = tp_elastic_spec(tokens, "tp-lose-rank", 2, 1, steps=200)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(6)
+    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
+    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a["name"].startswith(f"relaytrain:{spec.name}-") and a["name"].endswith(":w1.1"))
+    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
+    result = job.finish()
+    assert job.error is None, job.error
+    check_tp_result(result, spec, tmp_path)
+    lost, grow = events(result, "reshape")
+    assert lost["old_shape"] == [2, 1] and lost["new_shape"] == [1, 1] and lost["steps_lost"] == 0
+    assert lost["restored_from"] is None and "w1.1" in lost["reason"]
+    assert grow["old_shape"] == [1, 1] and grow["new_shape"] == [2, 1] and grow["steps_lost"] == 0
+    assert "joined" in grow["reason"]

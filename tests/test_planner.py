@@ -213,3 +213,32 @@ def test_global_batch_norm_cuts_gpipe_into_segments_that_run_one_after_another(g
     shape = model_shape(facts, 1, 4, 8, schedule="gpipe")
     assert gathered_units(8, [i in gathers for i in range(4)]) == units
     assert shape.step_s == pytest.approx(units * (0.01 + 2 * hop_seconds("collective", 4096)), rel=1e-9)
+
+
+def test_an_elastic_tp_job_keeps_its_tp_and_plans_dp_x_pp_over_whole_groups():
+    """With parallelism.tp every shape keeps the job's tp: dp x pp x tp workers over the slots
+    (which count whole TP groups: actors/cluster.py), the preferred and the current shape named
+    with their tp; fewer slots than one group wait, saying why."""
+    d = plan(8, EQUAL6, 64, 8, preferred=(1, 2, 2), memory_bytes=HALF_FITS, tp=2, transport="collective")
+    assert d.shape.tp == 2 and d.shape.workers % 2 == 0 and d.shape.workers <= 8
+    # a TP rank holds half of a stage, so the whole model fits one group (without TP it needs 2 stages: 4x2)
+    assert d.reason.startswith("fastest modelled shape for 8 slots: 4x1x2 (tp)"), d.reason
+    one = plan(2, EQUAL6, 64, 8, preferred=(1, 2, 2), memory_bytes=HALF_FITS, tp=2)
+    assert (one.shape.dp, one.shape.pp, one.shape.tp) == (1, 1, 2)
+    # 5 slots hold 2 groups: at most 4 workers
+    assert plan(5, EQUAL6, 64, 8, preferred=(1, 1, 2), tp=2).shape.workers == 4
+    kept = plan(4, EQUAL6, 64, 8, preferred=(1, 2, 2), current=(1, 2, 2), tp=2, min_gain=5.0)
+    assert kept.shape.key == (1, 2, 2) and kept.reason.startswith("kept 1x2x2 (tp)")
+    wait = plan(1, EQUAL6, 64, 8, preferred=(1, 1, 2), tp=2)
+    assert wait.wait and wait.reason == ("waiting for workers: 1 slot alive in whole tensor-parallel groups, the job "
+                                         "needs a group of parallelism.tp=2 workers on one node")
+
+
+def test_free_slots_count_whole_tp_groups_per_node():
+    from actors.cluster import NodeView
+
+    view = NodeView(alive={"a", "b", "c"}, draining={}, free={"a": {"CPU": 3.0}, "b": {"CPU": 1.0}, "c": {"CPU": 2.0}},
+                    time=0.0)
+    assert view.free_slots(1.0, 0.0) == 6
+    assert view.free_slots(1.0, 0.0, group=2) == 4  # a: one group (and a CPU left over), b: none, c: one
+    assert view.free_slots(1.0, 0.0, exclude={"c"}, group=2) == 2

@@ -193,7 +193,6 @@ def test_the_gpt_with_heads_tp_does_not_divide_is_refused(tokens):
 @pytest.mark.parametrize("par, extra, says", [
     ({"replicas": [1, 2], "pp": 2}, {}, "parallelism.tp 2 and parallelism.replicas cannot be combined"),
     ({"schedule": "zb_h1", "pp": 2}, {}, "parallelism.tp 2 runs with schedule 1f1b, gpipe or interleaved_1f1b, not zb_h1"),
-    ({}, {"elastic": {"enabled": True, "min_workers": 1, "max_workers": 4}}, "parallelism.tp 2 is not elastic yet"),
     ({"tp": 0}, {}, "greater than or equal to 1"),
 ])
 def test_tp_with_what_it_cannot_combine_is_refused(tokens, par, extra, says):

@@ -86,6 +86,10 @@ class FakeGroup:
         runs first (e.g. the test removes a node)."""
         self._outcomes.append((errors, before))
 
+    @staticmethod
+    def whole_groups(handles: dict) -> dict:
+        return dict(handles)  # no tensor parallelism in these jobs
+
     # --- what the reshaper does to it
     def place(self, shape) -> None:
         kept = {c: w["node"] for c, w in self.where.items()}
