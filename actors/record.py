@@ -123,14 +123,18 @@ class JobRecord:
         seconds = time.time() - r.detected
         phases = {k: round(v, 3) for k, v in r.phases.items() if k.endswith("_s")}
         phases["first_step_s"] = round(time.time() - r.phases.get("installed_at", time.time()), 3)
-        name = lambda s: f"{s[0]}x{s[1]}" + (f" replicas {s[2]}" if len(s) > 2 else "")  # noqa: E731
+        tp = r.tp
+        what = "layers' slices" if tp > 1 else "layers"
+        name = lambda s: f"{s[0]}x{s[1]}" + (f" replicas {s[2]}" if len(s) > 2 else "") + (  # noqa: E731
+            f"x{tp} (tp)" if tp > 1 else "")
         old = name(r.old) if r.old else "none"
         lost = (f"{r.steps_lost} steps lost, restored from the {r.restored_from}" if r.steps_lost
                 else f"no step lost{', lost layers restored from the ' + r.restored_from if r.restored_from else ''}")
         self.event("reshape", f"reshaped {old} -> {name(r.new)} after {r.reason}: step {committed} "
-                   f"committed {seconds:.2f} s after detection; {lost}; {r.moved} layers copied to workers that "
-                   f"lacked them ({r.why})",
-                   reason=r.reason, old_shape=r.old, new_shape=r.new, recovery_s=seconds, layers_moved=r.moved,
+                   f"committed {seconds:.2f} s after detection; {lost}; {r.moved} {what} copied "
+                   f"to workers that lacked them ({r.why})",
+                   **({"tp": tp} if tp > 1 else {}), reason=r.reason, old_shape=r.old, new_shape=r.new,
+                   recovery_s=seconds, layers_moved=r.moved,
                    steps_lost=r.steps_lost, restored_from=r.restored_from, restored_from_step=r.restored_step,
                    step=committed, phases_s=phases)
         with self._lock:

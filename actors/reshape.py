@@ -60,6 +60,7 @@ class Reshaped:
     why: str
     phases: dict
     moved: int = 0        # layers with state that workers of the new shape did not hold (copied in)
+    tp: int = 1           # both shapes' tensor-parallel groups (a reshape keeps tp)
 
 
 class Reshaper:
@@ -170,7 +171,7 @@ class Reshaper:
         g.stop_others(list(previous.values()) + [h for c, h in move.keep.items() if c not in previous])
         phases["installed_at"] = time.time()
         return Reshaped(move.reason, old, _named(shape), move.detected, move.steps_lost, move.restored_from,
-                        move.restored_step, why, phases, moved)
+                        move.restored_step, why, phases, moved, shape.tp)
 
     def install(self, shape: planner.Shape, why: str, assign: dict, committed: int, boundary: list, *,
                 copy: Optional[dict], donors: dict, copy_layers: Optional[set] = None) -> dict:

@@ -65,7 +65,7 @@ def gpt_spec(nodes: int, tp: int, d_model: int, tokens: str):
                                           "n_heads": max(2, d_model // 64), "n_layers": 4}},
         "data": {"kind": "tokens", "args": {"path": tokens, "seq_len": 64}}, "loss": "cross_entropy",
         "optimizer": {"name": "adamw", "lr": 0.001},
-        "training": {"global_batch_size": 12 * nodes, "microbatch_size": 2, "steps": 1_000_000, "seed": 0},
+        "training": {"global_batch_size": 4 * nodes, "microbatch_size": 2, "steps": 1_000_000, "seed": 0},
         "parallelism": {"dp": nodes, "pp": 1, "tp": tp, "transport": "collective",
                         "layer_costs_ms": [1, 10, 10, 10, 10, 1, 1]},
         "elastic": {"enabled": True, "min_workers": tp, "max_workers": nodes * tp, "grow_payback_s": 0},
@@ -121,7 +121,7 @@ def measure_relaytrain(removals: int, nodes: int, steps_between: int = 15, tp: i
     try:
         p = wait_for(lambda p: p["step"] >= steps_between and len(p["shape"].get("workers", {})) == workers)
         for i in range(removals):
-            victim = p["shape"]["workers"][f"w{nodes - 1}.0"]
+            victim = p["shape"]["workers"][max(p["shape"]["workers"])]  # the last worker's node
             before = max(r["step"] for r in rows)
             node = next(n for n in cluster.worker_nodes if n.node_id == victim)
             t_remove = time.time()
@@ -215,12 +215,16 @@ def main() -> None:
 
 def tp_table(args) -> None:
     out = {}
-    lines = ["| GPT d_model | tp | nodes x CPUs | removals | median s | worst s | grow-back detect->commit s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| GPT d_model | tp | nodes x CPUs | shapes (dp x pp) | step s | removals | median s | worst s | "
+             "grow-back detect->commit s |", "|---|---|---|---|---|---|---|---|---|"]
     for tp in (1, args.tp):
-        r = out[f"tp{tp}"] = measure_relaytrain(args.removals, args.nodes, tp=tp, d_model=args.d_model)
+        r = out[f"tp{tp}"] = measure_relaytrain(args.removals, args.nodes, steps_between=5, tp=tp, d_model=args.d_model)
         grow = r["grow_detect_to_commit_s"]
-        lines.append(f"| {args.d_model} | {tp} | {args.nodes} x {tp} | {len(r['recoveries_s'])} | {r['median_s']:.2f} | "
+        d = r["details"][0]
+        shapes = f"{'x'.join(map(str, d['old_shape']))} -> {'x'.join(map(str, d['new_shape']))}"
+        lines.append(f"| {args.d_model} | {tp} | {args.nodes} x {tp} | {shapes} | {r['step_time_s']:.3f} | "
+                     f"{len(r['recoveries_s'])} | "
+                     f"{r['median_s']:.2f} | "
                      f"{r['worst_s']:.2f} | {statistics.median(grow) if grow else float('nan'):.2f} |")
         print(lines[-1], flush=True)
     table = "\n".join(lines)

@@ -529,7 +529,8 @@ def test_a_tp_stage_whose_only_group_loses_its_node_comes_back_from_the_kept_sli
     assert job.error is None, job.error
     check_tp_result(result, spec, tmp_path)
     [lost] = events(result, "reshape")
-    assert lost["old_shape"] == [1, 2] and lost["new_shape"] == [1, 1]
+    assert lost["old_shape"] == [1, 2] and lost["new_shape"] == [1, 1] and lost["tp"] == 2
+    assert lost["message"].startswith("reshaped 1x2x2 (tp) -> 1x1x2 (tp) after lost w0.")
     assert lost["restored_from"] == f"copy of step {lost['restored_from_step']} kept by peer workers"
     assert lost["steps_lost"] in (0, 1)
 
