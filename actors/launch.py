@@ -10,7 +10,7 @@ from typing import Any, Optional
 import ray
 
 from service import rayconnect
-from service.names import NAMESPACE, placement_group_name, scheduler_name
+from service.names import NAMESPACE, placement_group_name, scheduler_name, tp_group_name
 from service.spec import JobSpec, SpecError
 
 RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
@@ -135,11 +135,25 @@ def wait_actors_gone(job_id: str, timeout: float) -> bool:
 
 def release_placement_group(job_id: str) -> None:
     """Free the worker slots of a job whose scheduler died without cleaning up (its placement
-    group is detached, so nothing else would)."""
+    groups are detached, so nothing else would): the job's, and an elastic tensor-parallel
+    job's one per TP group."""
     try:
         ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
     except Exception:
         pass  # none was made, or it is gone already
+    from ray.util.placement_group import PlacementGroup
+
+    try:
+        table = ray.util.placement_group_table()
+    except Exception:
+        return
+    prefix = tp_group_name(job_id, 0)[:-1]
+    for pg_id, info in table.items():
+        if (info.get("name") or "").startswith(prefix) and info.get("state") != "REMOVED":
+            try:
+                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+            except Exception:
+                pass
 
 
 def stop(sched, job_id: str, grace: float = 10.0) -> None:

@@ -49,6 +49,7 @@ class WorkerGroup:
         # worker's group is its placement group and its TP rank its bundle: actor id -> (group id, rank)
         self.tp_groups: dict[str, tuple[str, int]] = {}
         self._group_pgs: dict[str, Any] = {}
+        self._groups_made = 0
         self.skips: list = []                            # the model's skips, from its trace (actors/portals.py)
         self.shape: Optional[planner.Shape] = None
         self.joining: Optional[Joining] = None
@@ -81,8 +82,10 @@ class WorkerGroup:
             extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i // tp)} if self.pg else {}
             if self.elastic and tp > 1:  # each TP group on one node, whatever node it gets
                 if i % tp == 0:
+                    self._groups_made += 1
                     pg = placement_group([{"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})}] * tp,
-                                         strategy="STRICT_PACK", lifetime="detached" if self.detached else None)
+                                         strategy="STRICT_PACK", lifetime="detached" if self.detached else None,
+                                         name=names.tp_group_name(self.job_id, self._groups_made))
                     self._group_pgs[pg.id.hex()] = pg
                 extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, i % tp)}
             h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)

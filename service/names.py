@@ -13,6 +13,11 @@ def placement_group_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:workers"
 
 
+def tp_group_name(job_id: str, n: int) -> str:
+    """The placement group of an elastic job's n-th tensor-parallel group (one node each)."""
+    return f"{placement_group_name(job_id)}-tp{n}"
+
+
 def worker_name(job_id: str, dp_rank: int, pp_rank: int, gen: int = 0) -> str:
     """A worker started for cell (dp_rank, pp_rank) of configuration ``gen`` (0: the first)."""
     return f"relaytrain:{job_id}:w{dp_rank}.{pp_rank}" + (f"-{gen}" if gen else "")

@@ -554,8 +554,34 @@ def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_no
     result = job.finish()
     assert job.error is None, job.error
     check_tp_result(result, spec, tmp_path)
+    # every TP group's placement group is gone once the job ends (the broken one's at the reshape)
+    made = [pg for pg in ray.util.placement_group_table().values() if pg["name"].startswith(f"relaytrain:{spec.name}-")]
+    assert len(made) == 3 and all(pg["state"] == "REMOVED" for pg in made), made
     lost, grow = events(result, "reshape")
     assert lost["old_shape"] == [2, 1] and lost["new_shape"] == [1, 1] and lost["steps_lost"] == 0
     assert lost["restored_from"] is None and "w1.1" in lost["reason"]
     assert grow["old_shape"] == [1, 1] and grow["new_shape"] == [2, 1] and grow["steps_lost"] == 0
     assert "joined" in grow["reason"]
+
+
+def test_a_dead_schedulers_tp_group_placement_groups_are_released(cluster, tp_nodes):
+    """An elastic TP job's placement groups are detached (one per TP group): when its scheduler
+    dies without cleaning up, releasing the job's slots removes them all, and only them."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from actors import launch
+    from service.names import tp_group_name
+
+    add, _ = tp_nodes
+    add(1)
+    mine = [placement_group([{"CPU": 1}] * 2, strategy="STRICT_PACK", lifetime="detached",
+                            name=tp_group_name("job-a", n)) for n in (1, 2)]
+    other = placement_group([{"CPU": 0.01}], lifetime="detached", name=tp_group_name("job-b", 1))
+    try:
+        launch.release_placement_group("job-a")
+        table = ray.util.placement_group_table()
+        assert [table[pg.id.hex()]["state"] for pg in mine] == ["REMOVED", "REMOVED"]
+        assert table[other.id.hex()]["state"] != "REMOVED"
+    finally:
+        ray.util.remove_placement_group(other)
