@@ -308,9 +308,9 @@ class JobController:
         g = self.group
         if self.cap is None or len(g.workers) <= self.cap:
             return None
-        if g.joining is not None:
-            g.stop_others(g.joining.handles)
-            g.joining = None
+        if g.joining is not None:  # (no longer joining first: their TP groups' placement groups go too)
+            handles, g.joining = g.joining.handles, None
+            g.stop_others(handles)
         keep = dict(sorted(g.workers.items())[:self.cap])
         return Move(f"the cluster scheduler: {self.cap_reason}", keep=keep, donors=dict(g.workers),
                     exclude=set(), forced=True)

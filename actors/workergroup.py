@@ -179,6 +179,7 @@ class WorkerGroup:
         except Exception:
             for h in inc.handles:
                 kill(h)
+            self._release_groups()
             return {}
         return {("new", i): h for i, h in enumerate(inc.handles)}
 
