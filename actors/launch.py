@@ -10,7 +10,7 @@ from typing import Any, Optional
 import ray
 
 from service import rayconnect
-from service.names import NAMESPACE, placement_group_name, scheduler_name, tp_group_name
+from service.names import NAMESPACE, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
 
 RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
@@ -147,7 +147,7 @@ def release_placement_group(job_id: str) -> None:
         table = ray.util.placement_group_table()
     except Exception:
         return
-    prefix = tp_group_name(job_id, 0)[:-1]
+    prefix = tp_group_prefix(job_id)
     for pg_id, info in table.items():
         if (info.get("name") or "").startswith(prefix) and info.get("state") != "REMOVED":
             try:

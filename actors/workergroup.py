@@ -77,10 +77,11 @@ class WorkerGroup:
         if not self.elastic:  # a fixed shape is placed all at once, packed; a TP group in one bundle (one node)
             self._reserve(len(cells) // tp, {"CPU": cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})})
         out, pg = {}, None
+        own_groups = self.elastic and tp > 1  # each TP group on one node, whatever node it gets
         for i, (r, s) in enumerate(cells):
             name = actor_names[i] if actor_names else names.worker_name(self.job_id, r, s, self.gen + 1 if self.gen else 0)
             extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i // tp)} if self.pg else {}
-            if self.elastic and tp > 1:  # each TP group on one node, whatever node it gets
+            if own_groups:
                 if i % tp == 0:
                     self._groups_made += 1
                     pg = placement_group([{"CPU": cpus, **({"GPU": self.gpus} if self.gpus else {})}] * tp,
@@ -90,7 +91,7 @@ class WorkerGroup:
                 extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, i % tp)}
             h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
             self.names[h._actor_id.hex()] = name
-            if self.elastic and tp > 1:
+            if own_groups:
                 self.tp_groups[h._actor_id.hex()] = (pg.id.hex(), i % tp)
             out[(r, s)] = h
         return out

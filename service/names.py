@@ -13,9 +13,14 @@ def placement_group_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:workers"
 
 
+def tp_group_prefix(job_id: str) -> str:
+    """What the names of an elastic job's tensor-parallel groups' placement groups begin with."""
+    return f"{placement_group_name(job_id)}-tp"
+
+
 def tp_group_name(job_id: str, n: int) -> str:
     """The placement group of an elastic job's n-th tensor-parallel group (one node each)."""
-    return f"{placement_group_name(job_id)}-tp{n}"
+    return f"{tp_group_prefix(job_id)}{n}"
 
 
 def worker_name(job_id: str, dp_rank: int, pp_rank: int, gen: int = 0) -> str:
