@@ -279,13 +279,17 @@ class StepRunner:
         # the action after which this step's weight gradients are final (the gradient sum is armed before it)
         grads = [a for a in cell.actions if a.kind == ("W" if cell.split else "B")]
         self.final = grads[-1] if grads else None
-        # split schedules: the chunks whose Linear layers leave their weight gradients to W
-        # (actors/deferred.py: one addmm_ into .grad each); the others split with torch's
-        # stage_backward_input/weight.  Not under bf16 autocast
+        # the chunks whose plain Linear layers compute their weight gradients themselves
+        # (actors/deferred.py: one addmm_ into .grad each, where autograd makes a new gradient and
+        # adds it): in a split schedule W does them; in the others each backward does them right
+        # after its input gradient is sent.  Chunks without plain Linears split with torch's
+        # stage_backward_input/weight.  Not under bf16 autocast, not on tensor-parallel (DTensor)
+        # weights, and not where gradient hooks start the all-reduce during backward (GPU)
         self.pending, self.deferred = deferred.Pending(), set()
+        own_grads = not recipe.bf16 and tp is None and not (reducer is not None and reducer.overlap)
         for vs, part in self.parts.items():
             deferred.uninstall(part)
-            if cell.split and not recipe.bf16 and deferred.install(part, self.pending):
+            if own_grads and deferred.install(part, self.pending):
                 self.deferred.add(vs)
         sharers = cell.dp * (cell.replicas[cell.pp_rank] if cell.replicas else 1)  # workers of this stage
         self.stats_group = stats_group if sharers > 1 else None
@@ -654,6 +658,21 @@ class StepRunner:
                 reduce.arm()  # the gradients become final in this backward: all-reduce as they do
         split = (final and needs_input and wants and not self.recipe.checkpointing
                  and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
+        if wants and vs in self.deferred:
+            # the input gradient first, sent at once (the previous stage waits for it), then the
+            # weight gradients this backward left in ``pending``
+            self.pending.into = []
+            try:
+                torch.autograd.backward(outs, grads)
+            finally:
+                what, self.pending.into = self.pending.into, None
+            if needs_input:
+                self._send_grad(step, g, vs, inp, p)
+                self._send_skips(vs, step, g, "skipgrad", received, p)
+            deferred.weight_grads(what)
+            t1 = time.time()
+            p.live -= 1
+            return t0, t1
         if split:
             # the previous stage's last backward waits for this input gradient: send it
             # before computing the weight gradients, so the pipeline drains sooner
