@@ -7,7 +7,9 @@ way (actors/deferred.py: B is the whole backward with each Linear's weight produ
 W does those products).  This times, on one thread, a stage of 4 Linear(1024, 1024) + ReLU
 blocks (bench/peers.py's model, half of it) at microbatches of 16, 32 and 64 rows: forward, the
 whole backward, and B and W; and the pure matrix products of W (grad_out^T @ input per layer) for
-comparison, and relaytrain's deferred-Linear B and W.  The difference between B + W and the whole backward is what a split schedule must
+comparison, and relaytrain's deferred-Linear B and W.  First it times a stage's whole step (M = 8,
+forward and whole backward per microbatch) with torch's autograd against relaytrain's own weight
+gradients, which every schedule uses for plain Linears.  The difference between B + W and the whole backward is what a split schedule must
 win back from the bubble.
 
     .venv/bin/python bench/split_backward.py
@@ -87,8 +89,51 @@ def measure(mbs: int, runs: int = 60) -> dict:
     return out
 
 
+def measure_step(mbs: int, m: int = 8, runs: int = 40) -> dict:
+    """A stage's step as 1F1B runs it on one worker: m microbatches' forward and whole backward,
+    the gradients starting from none; torch's autograd (AccumulateGrad: a new gradient per
+    Linear, added) against relaytrain's own weight gradients (one addmm_ into ``.grad``), which
+    every schedule uses for plain Linears.  Alternated run by run; median and best (ms), and
+    the minor page faults per step (a new 4 MiB gradient above glibc's mmap threshold faults in
+    1024 fresh pages)."""
+    import resource
+
+    torch.manual_seed(0)
+    models = {}
+    for how in ("autograd", "own"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+        if how == "own":
+            deferred.install(model, deferred.Pending())
+        models[how] = model
+    xs = [torch.randn(mbs, 1024, requires_grad=True) for _ in range(m)]
+    gs = [torch.randn(mbs, 1024) for _ in range(m)]
+    times = {how: [] for how in models}
+    faults = {how: 0 for how in models}
+    for i in range(runs):
+        for how, model in models.items():
+            for p in model.parameters():
+                p.grad = None
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t0 = time.perf_counter()
+            for x, g in zip(xs, gs):
+                torch.autograd.backward(model(x), g)
+            if i >= 5:
+                times[how].append(time.perf_counter() - t0)
+                faults[how] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    return {how: (statistics.median(v) * 1e3, min(v) * 1e3, faults[how] / len(v)) for how, v in times.items()}
+
+
 def main() -> None:
     torch.set_num_threads(1)
+    print("A stage's step: 4 x (Linear(1024, 1024) + ReLU), M = 8, forward + whole backward per microbatch, "
+          "median / best ms, minor page faults per step")
+    print("| rows | torch autograd | relaytrain's own weight gradients | less time (median) | page faults autograd / own |")
+    print("|---|---|---|---|---|")
+    for mbs in (16, 32, 64):
+        r = measure_step(mbs)
+        (am, ab, af), (om, ob, of) = r["autograd"], r["own"]
+        print(f"| {mbs} | {am:.1f} / {ab:.1f} | {om:.1f} / {ob:.1f} | {1 - om / am:.0%} | {af:.0f} / {of:.0f} |")
+    print()
     print("| rows | forward (ms) | whole backward | torch B | torch W | B + W over whole | W's matrix products "
           "| deferred B | deferred W | B + W over whole |")
     print("|---|---|---|---|---|---|---|---|---|---|")
