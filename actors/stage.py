@@ -420,8 +420,7 @@ class StepRunner:
         for g, inp, received in done:
             p.live -= 1
             if vs > 0 and inp.requires_grad:
-                self._send_grad(step, g, vs, inp, p)
-                self._send_skips(vs, step, g, "skipgrad", received, p)
+                self._send_grads(step, g, vs, inp, received, p)
         part = (t1 - t0) / len(block)
         return [(t0 + k * part, t0 + (k + 1) * part) for k in range(len(block))]
 
@@ -634,11 +633,7 @@ class StepRunner:
         if c.split:
             # the first chunk's input needs no gradient: its whole backward is its W (as torch's schedules do)
             if needs_input and wants and vs in self.deferred:
-                self.pending.into = []
-                try:
-                    torch.autograd.backward(outs, grads)
-                finally:
-                    p.weights[(vs, a.mb)], self.pending.into = ("deferred", self.pending.into), None
+                p.weights[(vs, a.mb)] = ("deferred", self._input_backward(outs, grads))
             elif needs_input and wants and self.params[vs]:
                 _, groups = stage_backward_input(outs, grads, ins, iter(self.params[vs]))
                 p.weights[(vs, a.mb)] = ("groups", groups)
@@ -649,45 +644,45 @@ class StepRunner:
                 p.weights[(vs, a.mb)] = ("whole", (outs, grads))
             t1 = time.time()
             if needs_input:
-                self._send_grad(step, g, vs, inp, p)
-                self._send_skips(vs, step, g, "skipgrad", received, p)
+                self._send_grads(step, g, vs, inp, received, p)
             return t0, t1
         final = a == self.final
         if reduce is not None and final:
             with talking_to_peers("arming the gradient sum"):
                 reduce.arm()  # the gradients become final in this backward: all-reduce as they do
-        split = (final and needs_input and wants and not self.recipe.checkpointing
+        own = wants and vs in self.deferred  # plain Linears: their weight products after the send
+        split = (not own and final and needs_input and wants and not self.recipe.checkpointing
                  and stage_backward_input is not None and not (reduce is not None and reduce.overlap))
-        if wants and vs in self.deferred:
-            # the input gradient first, sent at once (the previous stage waits for it), then the
-            # weight gradients this backward left in ``pending``
-            self.pending.into = []
-            try:
-                torch.autograd.backward(outs, grads)
-            finally:
-                what, self.pending.into = self.pending.into, None
-            if needs_input:
-                self._send_grad(step, g, vs, inp, p)
-                self._send_skips(vs, step, g, "skipgrad", received, p)
-            deferred.weight_grads(what)
-            t1 = time.time()
-            p.live -= 1
-            return t0, t1
-        if split:
-            # the previous stage's last backward waits for this input gradient: send it
-            # before computing the weight gradients, so the pipeline drains sooner
+        # with the weight gradients computed apart (own, or torch's split of the step's last
+        # backward), the input gradient is sent before them: the previous chunk waits for it
+        early = own or split
+        if own:
+            what = self._input_backward(outs, grads)
+        elif split:
             _, groups = stage_backward_input(outs, grads, ins, iter(self.params[vs]))
-            self._send_grad(step, g, vs, inp, p)
-            self._send_skips(vs, step, g, "skipgrad", received, p)
-            stage_backward_weight(iter(self.params[vs]), groups)
         elif wants:
             torch.autograd.backward(outs, grads)
+        if early and needs_input:
+            self._send_grads(step, g, vs, inp, received, p)
+        if own:
+            deferred.weight_grads(what)
+        elif split:
+            stage_backward_weight(iter(self.params[vs]), groups)
         t1 = time.time()
         p.live -= 1
-        if not split and needs_input:
-            self._send_grad(step, g, vs, inp, p)
-            self._send_skips(vs, step, g, "skipgrad", received, p)
+        if not early and needs_input:
+            self._send_grads(step, g, vs, inp, received, p)
         return t0, t1
+
+    def _input_backward(self, outs: list, grads: list) -> list:
+        """A backward in which the chunk's plain Linears leave their weight products out
+        (actors/deferred.py); returns what ``deferred.weight_grads`` needs for them."""
+        self.pending.into = []
+        try:
+            torch.autograd.backward(outs, grads)
+        finally:
+            what, self.pending.into = self.pending.into, None
+        return what
 
     def _weights(self, a, p: _Progress) -> tuple[float, float]:
         """W: the weight gradients of a chunk for one microbatch (split schedules)."""
@@ -747,11 +742,14 @@ class StepRunner:
                 with talking_to_peers(f"sending {'the gradient of ' if back else ''}skip {r.name!r} of microbatch {g}"):
                     self.tr.send_to(c.peer(other, g), step, kind, self.portals.key(g, r), x)
 
-    def _send_grad(self, step: int, g: int, vs: int, inp: torch.Tensor, p: _Progress) -> None:
+    def _send_grads(self, step: int, g: int, vs: int, inp: torch.Tensor, received: dict, p: _Progress) -> None:
+        """The gradient of the chunk's input to the previous chunk, then those of the skips it
+        popped (``received``) to their stashers."""
         c = self.cell
         grad = inp.grad if inp.grad is not None else torch.zeros_like(inp)
         if c.local(vs - 1):
             p.handed[("grad", c.key(g, vs - 1))] = grad
-            return
-        with talking_to_peers(f"sending the gradient of microbatch {g}"):
-            self.tr.send_to(c.peer(vs - 1, g), step, "grad", c.key(g, vs - 1), grad)
+        else:
+            with talking_to_peers(f"sending the gradient of microbatch {g}"):
+                self.tr.send_to(c.peer(vs - 1, g), step, "grad", c.key(g, vs - 1), grad)
+        self._send_skips(vs, step, g, "skipgrad", received, p)

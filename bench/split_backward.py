@@ -33,9 +33,14 @@ from actors.stage import stage_backward_input, stage_backward_weight  # noqa: E4
 PURE = "W's matrix products"
 
 
+def _stage() -> nn.Module:
+    """Half of bench/peers.py's model: 4 blocks of Linear(1024, 1024) + ReLU."""
+    return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+
+
 def measure(mbs: int, runs: int = 60) -> dict:
     torch.manual_seed(0)
-    model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+    model = _stage()
     params = list(model.parameters())
     got = {"forward": [], "whole backward": [], "B": [], "W": [], "deferred B": [], "deferred W": []}
     pending = deferred.Pending()
@@ -101,7 +106,7 @@ def measure_step(mbs: int, m: int = 8, runs: int = 40) -> dict:
     torch.manual_seed(0)
     models = {}
     for how in ("autograd", "own"):
-        model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
+        model = _stage()
         if how == "own":
             deferred.install(model, deferred.Pending())
         models[how] = model
