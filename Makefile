@@ -20,10 +20,8 @@ venv: $(STAMP)
 example: $(STAMP)
 	$(VENV)/bin/relaytrain run examples/digits_mlp.yaml --out out/digits-mlp
 
-# two pytest processes (pytest-xdist), each with its own local Ray and clusters, whole modules
-# each, the slowest first (tests/conftest.py): most of a test is waiting on processes and nodes
 test: $(STAMP) chromium
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q
 
 # The web page's test drives Debian's chromium through Playwright (never a downloaded
 # browser): installed here where apt-get can; elsewhere that test is skipped, saying why.

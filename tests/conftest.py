@@ -21,29 +21,6 @@ from tests import s3server  # noqa: E402
 s3server.configure_env()
 
 
-# `make test` runs the suite in two pytest-xdist processes, whole modules each (--dist loadfile,
-# --no-loadscope-reorder): modules are handed out in the order below, slowest first (seconds on
-# a fresh clone, 2026-11-25), so the two processes end together; the others follow in their order.
-SLOWEST_FIRST = [
-    "test_elastic.py",            # 590 s: real node joins and deaths on a simulated cluster
-    "test_cut.py",                # 310
-    "test_replicas.py",           # 230
-    "test_tensor_parallel.py",    # 220
-    "test_queue.py",              # 185: a cluster of its own
-    "test_schedules_engine.py",   # 170
-    "test_failures_and_resume.py",  # 160
-    "test_api.py",                # 150
-    "test_large_models.py",       # 145
-    "test_recipe.py",             # 130
-    "test_durable.py",            # 130
-]
-
-
-def pytest_collection_modifyitems(session, config, items):
-    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a module keeps its order
-
-
 def restart_session_ray():
     """The session's local Ray: 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 fit."""
     import ray
