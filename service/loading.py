@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from service import builtins, tracing
+from service import builtins, lazydynamo, tracing
 from service.recipe import check_precision
 from service.spec import JobSpec, LossSpec, SpecError
 
@@ -346,6 +346,7 @@ OPTIMIZERS = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.o
 
 
 def build_optimizer(spec: JobSpec, params) -> torch.optim.Optimizer:
+    lazydynamo.defer()  # an optimizer would import torch._dynamo: 2 s of CPU per process (service/lazydynamo.py)
     cls = OPTIMIZERS[spec.optimizer.name]
     params = list(params)
     if not params:  # a stage of parameter-free layers still gets an optimizer object
@@ -433,6 +434,7 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     """Check that the spec can work before any actor starts: imports, what the builders
     return, layer count against pp, optimizer arguments, and one microbatch through the
     model and the loss, on the meta device (no memory; see service/tracing.py)."""
+    lazydynamo.defer()  # before the trace and the optimizer, which would import torch._dynamo
     rec = check_structure(spec, search)
     if spec.parallelism.tp > 1:
         check_tensor_plans(rec, spec.parallelism.tp)

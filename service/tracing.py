@@ -19,7 +19,6 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
 
 from service.spec import SpecError
 
@@ -183,6 +182,12 @@ def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) ->
 
 def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
     metas, flops, io, saved = [], [], [], []
+    from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
+
+    from service import lazydynamo
+
+    lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
+
     h = x
     with torch.enable_grad():  # what autograd saves is what a microbatch in flight holds
         for i in range(count):
