@@ -16,8 +16,10 @@ the functions already loaded:
   the wrapper would have built;
 - has each optimizer's ``step`` wrapper call ``graph_break()`` only once ``torch._dynamo`` is
   imported, as before.
-Functions of modules loaded later, and any torch whose wrappers are not the ones this was
-written against (torch 2.13), keep torch's behaviour.
+It is called where a process starts (StageWorker.__init__), before the pre-flight trace and
+before each optimizer is built; each call walks only the torch modules imported since the last.
+Functions of torch modules imported after the last call, and any torch whose wrappers are not
+the ones this was written against (torch 2.13), keep torch's behaviour.
 """
 from __future__ import annotations
 
