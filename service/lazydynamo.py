@@ -46,7 +46,9 @@ def _until_dynamo(fn, recursive: bool):
 
 
 def _use_grad_of(func):
-    def _use_grad(*args, **kwargs):  # torch/optim/optimizer.py's, its graph breaks only under dynamo
+    # torch/optim/optimizer.py's, its graph breaks only under dynamo; this code runs as torch's
+    # function, with that module's globals, so it imports what it uses
+    def _use_grad(*args, **kwargs):
         import sys
 
         import torch
@@ -74,13 +76,12 @@ def _torch_functions():
     wrapper holds the wrapped function).  Walked, not found with gc.get_objects(): Ray's
     workers gc.freeze() their imports, which hides them from it.  Modules walked before are
     skipped: a second call costs little, and covers the modules imported since."""
-    seen = _seen
 
     def inside(v, depth):
-        if id(v) in seen:
+        if id(v) in _seen:
             return
         if issubclass(type(v), type):  # (not isinstance: some objects warn when asked for __class__)
-            seen.add(id(v))
+            _seen.add(id(v))
             if str(getattr(v, "__module__", "")).startswith("torch"):
                 for a in list(vars(v).values()):
                     if isinstance(a, (staticmethod, classmethod)):
@@ -90,7 +91,7 @@ def _torch_functions():
                     else:
                         yield from inside(a, depth)
         elif type(v) is FunctionType:
-            seen.add(id(v))
+            _seen.add(id(v))
             yield v
             for c in (v.__closure__ or ()) if depth < 2 else ():
                 try:

@@ -20,6 +20,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from service import lazydynamo
 from service.spec import SpecError
 
 REAL_RUN_MAX_BYTES = 64 * 2**20  # parameters a process may build for a moment to trace a model for real
@@ -183,8 +184,6 @@ def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) ->
 def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
     metas, flops, io, saved = [], [], [], []
     from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
-
-    from service import lazydynamo
 
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
 

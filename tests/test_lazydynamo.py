@@ -36,20 +36,17 @@ TRAIN = """
             opt.zero_grad()
         opt.load_state_dict(opt.state_dict())
         return [p.detach().sum().item() for p in m.parameters()], type(opt).__name__
+
+    out = {n: train(n, **kw) for n, kw in (("sgd", {"momentum": 0.9}), ("adam", {}), ("adamw", {}))}
+    print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "out": out}))
 """
 
 
 def test_building_and_stepping_an_optimizer_imports_no_dynamo():
-    got = run(TRAIN + """
-    out = {n: train(n, **kw) for n, kw in (("sgd", {"momentum": 0.9}), ("adam", {}), ("adamw", {}))}
-    print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "out": out}))
-    """)
+    got = run(TRAIN)
     assert got["dynamo"] is False
     # the same numbers as torch's own optimizers in a process where torch._dynamo is imported
-    want = run("import torch._dynamo\n" + textwrap.dedent(TRAIN) + """
-out = {n: train(n, **kw) for n, kw in (("sgd", {"momentum": 0.9}), ("adam", {}), ("adamw", {}))}
-print(json.dumps({"dynamo": "torch._dynamo" in sys.modules, "out": out}))
-""")
+    want = run("    import torch._dynamo" + TRAIN)
     assert want["dynamo"] is True and got["out"] == want["out"]
 
 
