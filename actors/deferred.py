@@ -7,7 +7,8 @@ CPU they cost 27-61 % more than the whole backward (bench/split_backward.py): W 
 autograd engine once per parameter group, through graph nodes kept alive from B.
 
 Most of a model's weights sit in ``nn.Linear`` layers, whose weight gradient is one matrix
-product: ``grad_out^T @ input``.  So where a chunk holds plain ``nn.Linear`` layers, their
+product: ``grad_out^T @ input``.  So where a chunk holds plain ``nn.Linear`` layers (or the
+built-in models' ``Linear``, which only casts its input to the weight's dtype first), their
 forward goes through ``_Linear`` below: in B the autograd engine computes the input gradient
 (and every other layer's gradients) as in a whole backward, while each Linear only keeps its
 (input, grad_out) pair; W does the matrix products, each straight into ``.grad``
@@ -26,6 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from service import builtins
 
 
 class Pending:
@@ -80,9 +83,15 @@ def weight_grads(pending: list) -> None:
             _accumulate(module.bias, g2.sum(0))
 
 
+# the forwards known to be nn.Linear's, and whether they first cast the input to the weight's
+# dtype (the built-in models' Linear: float32 data into a float64 model)
+_FORWARDS = {nn.Linear.forward: False, builtins.Linear.forward: True}
+
+
 def _plain(m: nn.Module) -> bool:
-    """A Linear whose forward is nn.Linear's own (a subclass that overrides it is left alone)."""
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+    """A Linear whose forward is nn.Linear's own, or the built-in models' (which only casts its
+    input); a subclass that overrides it otherwise is left alone."""
+    return isinstance(m, nn.Linear) and type(m).forward in _FORWARDS
 
 
 def install(part: nn.Module, pending: Pending) -> int:
@@ -102,6 +111,12 @@ def uninstall(part: nn.Module) -> None:
 
 
 def _bound(m: nn.Linear, pending: Pending):
-    def forward(x):
-        return _Linear.apply(x, m.weight, m.bias, m, pending)
+    if _FORWARDS[type(m).forward]:
+        def forward(x):
+            if x.dtype != m.weight.dtype:
+                x = x.to(m.weight.dtype)
+            return _Linear.apply(x, m.weight, m.bias, m, pending)
+    else:
+        def forward(x):
+            return _Linear.apply(x, m.weight, m.bias, m, pending)
     return forward

@@ -149,3 +149,26 @@ def test_recomputed_layers_under_activation_checkpointing_equal_a_plain_backward
         torch.testing.assert_close(r.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
     for a, b in zip(*gxs):
         torch.testing.assert_close(b, a)
+
+
+def test_the_built_in_models_linear_splits_too_and_casts_its_input():
+    """The built-in MLP's Linear only casts its input to the weight's dtype (float32 data into a
+    float64 model) before nn.Linear's forward: it takes the split as a plain Linear does (it was
+    left to autograd before, so the built-in models never used it), with the same gradients and
+    outputs, and the cast's gradient reaches a float32 input."""
+    from service import builtins
+
+    torch.manual_seed(4)
+    model = builtins.mlp(8, 16, 3, 2, dtype="float64")
+    assert all(type(m) is builtins.Linear for m in model.modules() if isinstance(m, nn.Linear))
+    whole, got, gx, before_w, split = grads_whole_and_split(model, torch.randn(5, 8))
+    assert before_w["3.weight"] is None  # W did the weight products, not B
+    for n in whole:
+        torch.testing.assert_close(got[n], whole[n], rtol=1e-12, atol=1e-12)
+    assert gx[1].dtype == torch.float32
+    torch.testing.assert_close(gx[1], gx[0], rtol=0, atol=0)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
+    deferred.uninstall(split)
+    assert all("forward" not in m.__dict__ for m in split.modules())
