@@ -56,6 +56,33 @@ def test_bad_optimizer_argument():
         preflight(s)
 
 
+@pytest.mark.parametrize("name,args", [("sgd", {"lr": 0.5, "momentum": 0.9}), ("sgd", {"lr": 0.1}),
+                                       ("adam", {"lr": 0.01}), ("adamw", {"lr": 0.01, "weight_decay": 0.1})])
+def test_optimizers_are_built_fused_and_step_like_torchs_default(name, args):
+    """SGD, Adam and AdamW on CPU tensors are built with ``fused=True`` (one pass per tensor),
+    unless the spec chooses ``fused`` or ``foreach`` itself; 20 steps end within rounding of
+    torch's default implementation, in float64."""
+    from service.loading import build_optimizer
+
+    torch.manual_seed(0)
+    ours = [torch.nn.Parameter(torch.randn(64, 33, dtype=torch.float64)) for _ in range(3)]
+    plain = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    opt = build_optimizer(parse_spec(spec_with(optimizer={"name": name, **args})), ours)
+    assert opt.defaults["fused"] is True
+    ref = type(opt)(plain, **args)
+    assert not ref.defaults.get("fused")
+    for _ in range(20):
+        grads = [torch.randn_like(p) for p in ours]
+        for a, b, g in zip(ours, plain, grads):
+            a.grad, b.grad = g.clone(), g.clone()
+        opt.step()
+        ref.step()
+    for a, b in zip(ours, plain):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-13)
+    chosen = build_optimizer(parse_spec(spec_with(optimizer={"name": name, **args, "foreach": True})), ours)
+    assert not chosen.defaults.get("fused") and chosen.defaults["foreach"] is True
+
+
 def test_misspelled_field():
     with pytest.raises(SpecError, match="parallelism.stages: unknown field"):
         parse_spec(spec_with(parallelism__stages=2))
