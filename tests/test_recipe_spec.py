@@ -142,11 +142,16 @@ def test_eval_data_smaller_than_its_batches():
 def hand_loop(spec, skip=(), max_norm=None, search=()):
     """Plain PyTorch on the reference's model and data (no shuffle), torch.optim.SGD or Adam with
     the spec's arguments at a constant lr, clip_grad_norm_ when ``max_norm``, no optimizer step on
-    the steps in ``skip``."""
+    the steps in ``skip``.  The optimizer is torch's fused kernel unless the spec picks
+    ``fused``/``foreach`` itself, as relaytrain builds it (README, "The job spec"): the kernels
+    round differently in the last bit, and these comparisons are exact."""
     model = reference.build(spec, search)
     samples, loss_fn = build_data(spec, search), build_loss(spec)
     cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam}[spec.optimizer.name]
-    opt = cls(model.parameters(), **spec.optimizer.kwargs())
+    kwargs = spec.optimizer.kwargs()
+    if "fused" not in kwargs and "foreach" not in kwargs:
+        kwargs["fused"] = True
+    opt = cls(model.parameters(), **kwargs)
     b, losses = spec.training.global_batch_size, []
     for g in range(spec.training.steps):
         x, y = samples.batch(torch.arange(g * b, (g + 1) * b))
