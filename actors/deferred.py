@@ -111,12 +111,10 @@ def uninstall(part: nn.Module) -> None:
 
 
 def _bound(m: nn.Linear, pending: Pending):
-    if _FORWARDS[type(m).forward]:
-        def forward(x):
-            if x.dtype != m.weight.dtype:
-                x = x.to(m.weight.dtype)
-            return _Linear.apply(x, m.weight, m.bias, m, pending)
-    else:
-        def forward(x):
-            return _Linear.apply(x, m.weight, m.bias, m, pending)
+    casts = _FORWARDS[type(m).forward]
+
+    def forward(x):
+        if casts and x.dtype != m.weight.dtype:
+            x = x.to(m.weight.dtype)
+        return _Linear.apply(x, m.weight, m.bias, m, pending)
     return forward
