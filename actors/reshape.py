@@ -70,8 +70,8 @@ class Reshaper:
         self._suspect: dict[str, float] = {}    # nodes that lost workers -> since when
 
     def suspect(self, alive: set) -> set:
-        """The nodes not to place on: those that lost workers, until Ray marks them dead or
-        they stay alive for SUSPECT_S."""
+        """The nodes not to place on: those that lost workers while none of their other workers
+        answered, until Ray marks them dead or they stay alive for SUSPECT_S."""
         now = time.monotonic()
         self._suspect = {n: t for n, t in self._suspect.items() if n in alive and now - t < SUSPECT_S}
         return set(self._suspect)
@@ -97,7 +97,10 @@ class Reshaper:
             (alive if done else stuck)[c] = h
         dead = set(g.workers) - set(alive) - set(stuck)
         nodes = {g.node_of(c) for c in dead}
-        self._suspect.update({n: time.monotonic() for n in nodes if n})
+        # a node where another worker answered is up: its lost worker was a process (killed, out
+        # of memory, crashed), and its slots count again as soon as they are free
+        up = {g.node_of(c) for c in answered}
+        self._suspect.update({n: time.monotonic() for n in nodes - up if n})
         reason = (f"lost {', '.join(cell_name(c) for c in sorted(dead))} ({lost.failure})" if dead
                   else str(lost.failure))
         return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time)
