@@ -32,6 +32,7 @@ from torch import nn
 
 from actors.copies import KeptCopies, Uploads
 from actors.failures import PeerLost, talking_to_peers
+from actors.heap import StepThread, keep_freed
 from actors.output import OutputTap
 from actors.stage import Cell, Recipe, StepRunner
 from actors.tensorpar import CollectiveBytes, local
@@ -50,6 +51,7 @@ from service.spec import JobSpec
 
 class StageWorker:
     def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
+        self.heap = keep_freed()  # a step's freed gradients and activations stay mapped for the next (actors/heap.py)
         self.output = OutputTap.install()  # what user code prints goes to the job's log too
         lazydynamo.defer()  # building layers and optimizers would import torch._dynamo: 1.3-2.3 s of CPU, 140 MB
         self.job_id = job_id
@@ -88,6 +90,10 @@ class StageWorker:
         self._turn = threading.Condition()  # one step at a time, in order (a step's call may come early)
         self._running = False
         self._started = -1                  # the newest step begun in this cell
+        # Every step and evaluation runs on this one thread, whichever of Ray's threads took the
+        # call: glibc gives each thread its own heap (arena), so on Ray's rotating threads a step
+        # found none of the memory the step before freed, and faulted it in anew (actors/heap.py).
+        self._compute = StepThread(torch.get_num_threads())
         gc.collect()  # the imports' garbage goes; what lives on (torch's, Ray's objects) is frozen:
         gc.freeze()   # later collections skip it (see Group.leave)
 
@@ -529,7 +535,7 @@ class StageWorker:
                 self._turn.wait(0.5)
             self._running, self._started = True, step
         try:
-            return self._run_step(step, called)
+            return self._compute.run(self._run_step, step, called)
         finally:
             with self._turn:
                 self._running = False
@@ -578,6 +584,9 @@ class StageWorker:
     def run_eval(self, committed: int) -> dict:
         """The evaluation (spec ``eval``) with the parameters of ``committed`` steps: this
         worker's forwards of every evaluation batch; the last stage's sum of batch-mean shares."""
+        return self._compute.run(self._run_eval, committed)
+
+    def _run_eval(self, committed: int) -> dict:
         with self._lock:
             self._settle(committed)
             if self.applied != committed:

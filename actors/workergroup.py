@@ -14,6 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.failures import JobCancelled, JobFailure, cell_name, kind_of, step_failure
+from actors import heap
 from actors.worker import StageWorker
 from service import names, planner
 from service.recipe import needs_global_norm
@@ -72,7 +73,7 @@ class WorkerGroup:
         Worker = ray.remote(StageWorker)
         spec_dict = self.spec.model_dump(mode="json")
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
-                                "namespace": names.NAMESPACE}
+                                "namespace": names.NAMESPACE, **heap.runtime_env(self.spec.runtime_env)}
         tp = self.spec.parallelism.tp
         if not self.elastic:  # a fixed shape is placed all at once, packed; a TP group in one bundle (one node)
             self._reserve(len(cells) // tp, {"CPU": cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})})

@@ -77,6 +77,17 @@ def proc_status(pid: int) -> dict | None:
     return out if "VmHWM" in out else None
 
 
+def proc_faults(pid: int) -> int | None:
+    """Minor page faults of ``pid`` so far (/proc/<pid>/stat, field 10; None once it is gone):
+    each is a 4 KiB page the kernel zero-filled and mapped on its first touch."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2:].split()[7])  # fields from 3 on, after "(comm)"
+
+
 def proc_pss(pid: int) -> int | None:
     """Proportional set size (shared pages divided among their users): sums to the real footprint."""
     try:
@@ -169,6 +180,7 @@ class Sampler(threading.Thread):
         self.min_available = min_available  # the machine is shared: stop before others run short
         self.actors: dict[str, dict] = {}      # actor name -> {pid, cell, layers, kind}
         self.series: dict[int, list] = {}      # pid -> [(t, rss, hwm, anon, shmem)]
+        self.faults: dict[int, list] = {}      # pid -> [(t, minor page faults so far)]
         self.hwm: dict[int, int] = {}
         self.total: list = []                  # (t, summed PSS of the tree)
         self.guard_fired = False
@@ -226,6 +238,9 @@ class Sampler(threading.Thread):
                 self.hwm[pid] = max(self.hwm.get(pid, 0), st["VmHWM"])
                 self.series.setdefault(pid, []).append(
                     (round(now, 3), st["VmRSS"], st["VmHWM"], st.get("RssAnon", 0), st.get("RssShmem", 0)))
+                flt = proc_faults(pid)
+                if flt is not None:
+                    self.faults.setdefault(pid, []).append((now, flt))
             if self.pss_every and k % self.pss_every == 0:
                 total = sum(p or 0 for p in map(proc_pss, descendants(me)))
                 self.total.append((round(now, 3), total))

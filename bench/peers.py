@@ -42,7 +42,9 @@ consecutive steps as seen by the process that drives them (relaytrain: its sched
 step's metrics row; the others: the later of their ranks' ends, after the optimizer step), so
 it holds everything a step costs, dispatch included.
 
-The report, per (mbs, M): every contestant's step time (median, interquartile range);
+The report, per (mbs, M): every contestant's step time (median, interquartile range) and the
+minor page faults a step of its busiest process (from /proc/<pid>/stat around each round, its
+warm-up step included; not for Ray Train's workers, whose processes the bench does not know);
 relaytrain's best schedule against torch's best (torch's median over relaytrain's; goal >= 1.1);
 relaytrain's measured bubble per schedule (the metrics row's ``bubble``; goal: ZB-H1's at most
 half of 1F1B's at M = 8); the pipeline efficiency (one process's step time / p) / relaytrain's
@@ -79,6 +81,7 @@ from typing import Optional  # noqa: E402
 BENCH = Path(__file__).resolve().parent
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
+import memory  # noqa: E402  (bench/memory.py: reading /proc)
 import peers_spec  # noqa: E402
 
 RESULTS = BENCH / "results"
@@ -125,6 +128,10 @@ class Contestant:
     def run(self, n: int) -> list[dict]: ...
     def params(self) -> dict: ...   # the whole model's parameters, keyed as its state_dict
     def stop(self) -> None: ...
+
+    def pids(self) -> list[int]:
+        """Its processes on this machine, whose page faults the bench reads (none known: [])."""
+        return []
 
 
 def _free_port() -> int:
@@ -189,6 +196,9 @@ class Processes(Contestant):
             out.append(rec)
         return out
 
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
     def params(self) -> dict:
         for c in self.conns:
             c.send(("params",))
@@ -234,6 +244,9 @@ class RelayContestant(Contestant):
 
     def params(self) -> dict:
         return self.job.params()
+
+    def pids(self) -> list[int]:
+        return self.job.pids()
 
     def stop(self) -> None:
         self.job.stop()
@@ -395,10 +408,16 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
         bubbles = {c.name: [] for c in cs}
         plans = {c.name: [] for c in cs}
         extra = {c.name: [] for c in cs}
+        faults = {c.name: [] for c in cs}
+        pids = {c.name: c.pids() for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
             for c in order:
+                f0 = [memory.proc_faults(p) for p in pids[c.name]]
                 recs = c.run(1 + args.steps)
+                f1 = [memory.proc_faults(p) for p in pids[c.name]]
+                if f0 and None not in f0 + f1:  # per process and step, this round (its warm-up step included)
+                    faults[c.name].append(max(b - a for a, b in zip(f0, f1)) / len(recs))
                 losses[c.name] += [x["loss"] for x in recs]
                 ends = [x["end"] for x in recs]
                 times[c.name] += [b - a for a, b in zip(ends, ends[1:])]
@@ -425,6 +444,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
                "samples_per_s": m * mbs / med, "timed_steps": len(ts),
                "bubble": statistics.median(bubbles[c.name]) if bubbles[c.name] else None,
                "bubble_plan": statistics.median(plans[c.name]) if plans[c.name] else None,
+               "faults_per_step": statistics.median(faults[c.name]) if faults[c.name] else None,
                "times_s": times[c.name], "losses": losses[c.name]}
         if c.name in shapes:
             row["shape"] = shapes[c.name]
@@ -571,15 +591,21 @@ def _pct(x: Optional[float]) -> str:
     return "" if x is None else f"{x:.1%}"
 
 
+def _faults(x: Optional[float]) -> str:
+    return "" if x is None else f"{x:,.0f}"
+
+
 def table(results: list[dict]) -> str:
     lines = ["| contestant | mbs | M | step time median (ms) | IQR (ms) | samples/s | vs best peer | pipeline "
-             "efficiency | measured bubble | plan bubble |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "efficiency | measured bubble | plan bubble | page faults a step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for res in results:
         for r in res["rows"]:
             vs = f"{r['vs_best_peer']:.2f}" if "vs_best_peer" in r else ""
             eff = f"{r['efficiency']:.2f}" if "efficiency" in r else ""
             lines.append(f"| {r['contestant']} | {r['mbs']} | {r['M']} | {_ms(r['step_s'])} | {_ms(r['iqr_s'])} | "
-                         f"{r['samples_per_s']:.0f} | {vs} | {eff} | {_pct(r['bubble'])} | {_pct(r['bubble_plan'])} |")
+                         f"{r['samples_per_s']:.0f} | {vs} | {eff} | {_pct(r['bubble'])} | {_pct(r['bubble_plan'])} | "
+                         f"{_faults(r.get('faults_per_step'))} |")
     return "\n".join(lines)
 
 

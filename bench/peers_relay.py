@@ -30,6 +30,12 @@ from actors.launch import scheduler_placement, stop as _stop
 from service.states import JobState
 
 
+def _pid(_actor) -> int:
+    import os
+
+    return os.getpid()
+
+
 class GatedScheduler(JobScheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -75,6 +81,10 @@ class GatedScheduler(JobScheduler):
         s = self.group.shape
         return {"dp": s.dp, "pp": s.pp, "sizes": list(s.sizes), "chunks": getattr(s, "chunks", 1),
                 "placement": getattr(s, "placement", "loop")}
+
+    def pids(self) -> list[int]:
+        """The workers' process ids (the bench reads their page faults from /proc)."""
+        return ray.get([w.__ray_call__.remote(_pid) for w in self.group.workers.values()])
 
     def params(self) -> dict:
         """The whole model's parameters at the step the job is held at."""
@@ -141,6 +151,9 @@ class Relaytrain:
 
     def params(self) -> dict:
         return ray.get(self.sched.params.remote())
+
+    def pids(self) -> list[int]:
+        return ray.get(self.sched.pids.remote())
 
     def shape(self) -> dict:
         return ray.get(self.sched.shape.remote())
