@@ -17,14 +17,16 @@ Three things gave the memory back:
   gives each thread its own heap (arena): a step ran on another thread than the step before,
   found none of the memory that step freed, and faulted its own in anew.  ``StepThread`` runs
   every step and evaluation of a worker on one thread of its own.
-- A thread's arena grows in heaps of at most 64 MiB, and a heap that empties is unmapped; a
-  block larger than that (a GPT-2 embedding's gradient: 147 MiB) is mapped and unmapped on its
-  own every step.  ``runtime_env`` starts the workers with ``MALLOC_ARENA_MAX=1``: every thread
-  allocates from the main heap, which has no such limit.
+- A thread's arena grows in heaps of at most 64 MiB, and a heap that empties is unmapped.
+  ``runtime_env`` starts the workers with ``MALLOC_ARENA_MAX=1``: every thread allocates from
+  the main heap, which has no such limit.
 - glibc serves blocks from 128 KiB up (its threshold moves up to 32 MiB as such blocks are
   freed) with a fresh ``mmap``, returns them with ``munmap``, and gives the free top of its heap
-  back (``M_TRIM_THRESHOLD``).  ``keep_freed`` raises both thresholds (``mallopt``): blocks below
-  1 GiB come from the heap and stay mapped once freed.
+  back (``M_TRIM_THRESHOLD``).  ``keep_freed`` fixes the first at 32 MiB and turns the second
+  off (``mallopt``): blocks below 32 MiB come from the heap and stay mapped once freed.  Larger
+  blocks (a GPT head's 206 MB gradient) are still mapped and unmapped every step: kept on the
+  heap, they fragmented it, and the head stage's peak grew from 1.68 to 2.17 GiB
+  (bench/memory.py --quick).
 
 The process's peak (VmHWM) is what the step needs, as before; its resident size no longer falls
 between steps.  tests/test_memory.py reads the workers' faults from /proc: 0-14 a step after
@@ -49,8 +51,7 @@ import torch
 T = TypeVar("T")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-KEEP_UP_TO = 1 << 30       # blocks below 1 GiB come from the heap (glibc may cap it at 32 MiB)
-FALLBACK = 32 << 20        # the largest threshold every glibc accepts on 64-bit
+KEEP_UP_TO = 32 << 20      # blocks below 32 MiB come from the heap (above: mapped and unmapped, as glibc does)
 NEVER_TRIM = 2**31 - 1     # mallopt takes an int
 
 
@@ -77,11 +78,10 @@ def keep_freed() -> str:
     except (OSError, AttributeError):
         return "not glibc: malloc left as it is"
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    threshold = KEEP_UP_TO if mallopt(M_MMAP_THRESHOLD, KEEP_UP_TO) else FALLBACK
-    if threshold == FALLBACK and not mallopt(M_MMAP_THRESHOLD, FALLBACK):
+    if not mallopt(M_MMAP_THRESHOLD, KEEP_UP_TO):
         return f"glibc {version} refused the thresholds: malloc left as it is"
     mallopt(M_TRIM_THRESHOLD, NEVER_TRIM)
-    return f"glibc {version}: blocks below {threshold >> 20} MiB from the heap, freed memory kept"
+    return f"glibc {version}: blocks below {KEEP_UP_TO >> 20} MiB from the heap, freed memory kept"
 
 
 class StepThread:

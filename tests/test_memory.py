@@ -125,9 +125,9 @@ def test_each_process_holds_only_its_share(ray_session, tmp_path, monkeypatch):
 REUSE_CASES = {
     # 2 x 4 MiB of weight gradients a stage: glibc's own threshold would keep them, on one thread
     "4MiB": ({"in_features": 1024, "hidden": 1024, "layers": 4, "out_features": 10}, 64, 4),
-    # an 81 MiB weight gradient: above what a thread's arena holds (64 MiB heaps) and above glibc's
-    # 32 MiB threshold, so mapped and unmapped every step unless the main heap keeps it
-    "81MiB": ({"in_features": 64, "hidden": 4608, "layers": 2, "out_features": 10}, 8, 2),
+    # a 10 MiB and a 25 MiB weight gradient, near the top of what the heap keeps (32 MiB): on a
+    # thread's own arena (64 MiB heaps, unmapped when they empty) they were faulted in again
+    "25MiB": ({"in_features": 1024, "hidden": 2560, "layers": 2, "out_features": 10}, 16, 2),
 }
 
 
@@ -138,8 +138,7 @@ def test_a_step_reuses_the_memory_the_step_before_freed(ray_session, tmp_path, c
     kernel pays a zero-filled page fault for every 4 KiB page, every step (actors/heap.py).
     Read from /proc/<pid>/stat while the job runs: after four steps, each worker takes fewer
     page faults a step than 1 MiB has pages (the engine before actors/heap.py: about 2,000 a
-    step for the 4 MiB case; a 36 MiB gradient on one thread without MALLOC_ARENA_MAX=1:
-    9,300)."""
+    step for the 4 MiB case)."""
     from actors.runner import run_job
 
     model, rows, m = REUSE_CASES[case]
