@@ -28,9 +28,10 @@ Three things gave the memory back:
   heap, they fragmented it, and the head stage's peak grew from 1.68 to 2.17 GiB
   (bench/memory.py --quick).
 
-The process's peak (VmHWM) is what the step needs, as before; its resident size no longer falls
-between steps.  tests/test_memory.py reads the workers' faults from /proc: 0-14 a step after
-the first steps against about 2,000 before, for 2 x 4 MiB of gradients a stage.  Set
+The process's peak (VmHWM) over its share is as before (bench/memory.py --quick: 1.06-1.26x);
+its resident size no longer falls between steps.  tests/test_memory.py reads the workers' faults
+from /proc: 1 a step in most runs (at most 114 seen) after the first steps, against about 2,000
+before, for 2 x 4 MiB of gradients a stage.  Set
 ``RELAYTRAIN_KEEP_FREED=0`` to leave glibc's thresholds as they are (a worker whose environment
 sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or glibc's malloc tunables keeps
 those: bench/memory.py's tuned runs set a 1 MiB threshold); elsewhere than glibc (musl,
