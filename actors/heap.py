@@ -106,7 +106,11 @@ class StepThread:
                 done.set_exception(e)
             del fn, args, done  # nothing of a step (its tensors, a failure's frames) waits here for the next
 
-    def run(self, fn: Callable[..., T], *args) -> T:
+    def submit(self, fn: Callable[..., T], *args) -> "Future[T]":
+        """Queue ``fn(*args)`` behind what was queued before; its future."""
         done: Future = Future()
         self._work.put((fn, args, done))
-        return done.result()
+        return done
+
+    def run(self, fn: Callable[..., T], *args) -> T:
+        return self.submit(fn, *args).result()

@@ -25,6 +25,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future
 from typing import Optional
 
 import torch
@@ -87,9 +88,8 @@ class StageWorker:
         self._aborted: Optional[int] = None
         self.update: tuple[float, bool] = (1.0, False)  # the pending step's (clip factor, skipped)
         self.norms_update = None  # the pending step's BatchNorm buffer update (actors/batchnorm.py)
-        self._turn = threading.Condition()  # one step at a time, in order (a step's call may come early)
-        self._running = False
-        self._started = -1                  # the newest step begun in this cell
+        self._turn = threading.Condition()  # steps queue on the step thread in order (a step's call may come early)
+        self._started = -1                  # the newest step queued in this cell
         # Every step and evaluation runs on this one thread, whichever of Ray's threads took the
         # call: glibc gives each thread its own heap (arena), so on Ray's rotating threads a step
         # found none of the memory the step before freed, and faulted it in anew (actors/heap.py).
@@ -523,25 +523,33 @@ class StageWorker:
         all-reduce the gradients, and leave the update pending until step is committed.
 
         The call for a step may come while the step before still runs (a fixed-shape job's
-        scheduler sends it early, actors/controller.py ``_may_queue``): it waits for that step
-        to end, and its coming is that step's commit."""
+        scheduler sends it early, actors/controller.py ``_may_queue``): its coming is that
+        step's commit, and it queues on the step thread right behind it, which takes it up the
+        moment that step ends (no wake-up of this call's thread in between)."""
         called = time.time()
         with self._turn:
             deadline = time.monotonic() + self.timeout
-            while self._running or self._started < step - 1:  # the step before has not ended (or begun)
+            while self._started < step - 1:  # the step before has not begun
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{self!r} waited {self.timeout:.0f} s to run step {step + 1}: step "
-                                       f"{step} did not end here")
+                                       f"{step} did not begin here")
                 self._turn.wait(0.5)
-            self._running, self._started = True, step
+            # queued in the order the calls came: each step right behind the one before
+            batch: Future = Future()
+            done = self._compute.submit(self._run_step, step, called, batch)
+            self._started = step
+            self._turn.notify_all()
+        # the step's microbatches are built here, on this call's thread, while the step before
+        # may still run on the step thread: off the path between two steps (the first worker's
+        # next forward waits for nothing but the update)
+        c = self.cell
         try:
-            return self._compute.run(self._run_step, step, called)
-        finally:
-            with self._turn:
-                self._running = False
-                self._turn.notify_all()
+            batch.set_result(self._my_batch(step) if (c.first or c.last) else (None, None))
+        except BaseException as e:  # raised by the step, as if it had been built there
+            batch.set_exception(e)
+        return done.result()
 
-    def _run_step(self, step: int, called: float) -> dict:
+    def _run_step(self, step: int, called: float, batch: Future) -> dict:
         with self._lock:
             self._settle(step)
             if self.applied != step:
@@ -549,8 +557,7 @@ class StageWorker:
         settled = time.time()  # the previous step's update applied
         try:
             self.inbox.drop_before(step)
-            c = self.cell
-            xs, ys = self._my_batch(step) if (c.first or c.last) else (None, None)
+            xs, ys = batch.result()
             CollectiveBytes.take_failure()
             if self.tp is not None:
                 CollectiveBytes.take()
