@@ -85,7 +85,8 @@ class JobRecord:
             self.step = row["step"]
             self.high = max(self.high, self.step)
         if self.sink:
-            self.sink.write(metrics=[row], timeline_entry=timeline.record(row["step"], self.shape, workers_timeline))
+            shape = dict(self.shape, sends_early=True) if row.get("sends_early") else self.shape
+            self.sink.write(metrics=[row], timeline_entry=timeline.record(row["step"], shape, workers_timeline))
         self.job_metrics.committed(row)
 
     def announce_shape(self, shape, why: str, spec, *, gpus: float, workers: dict, costs: Optional[list],
@@ -174,9 +175,18 @@ def grad_norm(stats: dict) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1) -> float:
-    """The schedule's ideal bubble (backward = 2 x forward, split evenly into B and W)."""
-    return float(schedules.simulate(schedules.build(schedule, pp, m, chunks)).bubble)
+def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = False) -> float:
+    """The schedule's ideal bubble (backward = 2 x forward, split evenly into B and W); with
+    ``early`` as run where every backward sends its input gradient before its weight
+    gradients (``schedules.sends_early``)."""
+    plan = schedules.build(schedule, pp, m, chunks)
+    return float(schedules.simulate(schedules.sends_early(plan) if early else plan).bubble)
+
+
+def sends_early(stats: dict) -> bool:
+    """Did every worker's backward send its input gradient before its weight gradients (all
+    their chunks' weights in plain Linear layers, a schedule without W)?"""
+    return bool(stats) and all(s.get("sends_early") for s in stats.values())
 
 
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
@@ -195,11 +205,12 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
     ideal = (float(rp.plan(schedule, replicas, microbatches // dp, rp.relative(stage_costs)).bubble) if replicas
-             else plan_bubble(schedule, pp, microbatches // dp, chunks))
+             else plan_bubble(schedule, pp, microbatches // dp, chunks, sends_early(stats)))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
+            **({"sends_early": True} if not replicas and sends_early(stats) else {}),
             "peak_live": [max(stats[(r, t)]["peak_live"] for r in range(dp) for t in slots) for slots in of_stage],
             # bytes the first worker of each stage of replica 0 received from other workers, by kind
             # (act, grad, skip, skipgrad)

@@ -291,6 +291,9 @@ class StepRunner:
             deferred.uninstall(part)
             if own_grads and deferred.install(part, self.pending):
                 self.deferred.add(vs)
+        # every backward sends its input gradient before its weight gradients: the step runs as
+        # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
+        self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
         sharers = cell.dp * (cell.replicas[cell.pp_rank] if cell.replicas else 1)  # workers of this stage
         self.stats_group = stats_group if sharers > 1 else None
         self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
@@ -352,7 +355,7 @@ class StepRunner:
                 "loss": float(p.loss_sum) if c.last and c.tp_rank == 0 else None,  # a TP group's ranks agree
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
-                "grad_sq": grad_sq, "grad_norm": total, "received": p.received}
+                "grad_sq": grad_sq, "grad_norm": total, "received": p.received, "sends_early": self.sends_early}
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of

@@ -125,5 +125,9 @@ class TimelineOut(BaseModel):
     start: Optional[float] = Field(None, description="unix time of the step's first action")
     span_s: float = Field(description="seconds from the first action's start to the last one's end")
     utilization: Optional[float] = Field(None, description="measured: busy / (stages x span), averaged over replicas")
-    utilization_plan: Optional[float] = Field(None, description="the schedule's ideal, backward = 2 x forward")
+    utilization_plan: Optional[float] = Field(None, description="the schedule's ideal, backward = 2 x forward; "
+                                              "with sends_early, as the workers ran it")
+    sends_early: bool = Field(False, description="every backward sent its input gradient before computing its "
+                                                 "weight gradients (chunks of plain Linear layers): the plan is the "
+                                                 "schedule with each B followed by its W")
     lanes: list[TimelineLane]

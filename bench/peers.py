@@ -457,13 +457,12 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
                                 "busy_s": [statistics.median(e["busy"][r] for e in ex)
                                            for r in range(len(ex[0]["busy"]))]}
         rows.append(row)
-    plan_of = {r["schedule"]: r["bubble_plan"] for r in rows
-               if r["system"] == "relaytrain" and r["bubble_plan"] is not None and r["pp"] > 1}
     single = rows[0]["step_s"]
     for row in rows:
         if row["system"] == "torch" and row["bubble_plan"] is None:
-            row["bubble_plan"] = plan_of.get(row["schedule"], _plan_bubble(row["schedule"], row["pp"], m,
-                                                                           row["chunks"]))
+            # the textbook plan: torch's schedules send an input gradient after the whole backward
+            # (relaytrain's own 1F1B rows carry the plan of what its workers ran, schedules.sends_early)
+            row["bubble_plan"] = _plan_bubble(row["schedule"], row["pp"], m, row["chunks"])
         if row["group"] == "pipeline":
             row["efficiency"] = single / row["pp"] / row["step_s"]
         peers = [r for r in rows if r["peer"] and r["group"] == row["group"]]

@@ -294,6 +294,21 @@ def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedul
     return {"gpipe": gpipe, "1f1b": one_f_one_b, "zb_h1": zb_h1}[name](stages, microbatches)
 
 
+def sends_early(schedule: Schedule) -> Schedule:
+    """``schedule`` (one without W actions) as relaytrain's workers run it where every chunk's
+    weights sit in plain Linear layers (actors/deferred.py): each backward computes the
+    chunk's input gradient, sends it to the chunk before, and only then its weight gradients.
+    Each B becomes that B (the input gradient, what the stage before waits for) followed at
+    once by its W: the order and the activations held are the schedule's, but the stage before
+    gets its gradient a W earlier, so the fill and drain shrink (1F1B at p = 2, M = 8 and
+    F = B = W: 1/13 of the step idle, 7.7%, against 1/9).  A split schedule is returned as it is."""
+    if schedule.split:
+        return schedule
+    order = tuple(tuple(x for a in acts for x in ((a, Action(a.stage, "W", a.mb)) if a.kind == "B" else (a,)))
+                  for acts in schedule.order)
+    return Schedule(schedule.name, schedule.stages, schedule.microbatches, order, schedule.chunks)
+
+
 def _check_sizes(stages: int, microbatches: int) -> None:
     if stages < 1:
         raise ValueError(f"a schedule needs at least 1 stage, got {stages}")

@@ -50,6 +50,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
             **({"replicas": list(shape["replicas"]), "stage_costs": list(shape.get("stage_costs") or [])}
                if shape.get("replicas") else {}),
             **({"tp": int(shape["tp"])} if (shape.get("tp") or 1) > 1 else {}),
+            **({"sends_early": True} if shape.get("sends_early") else {}),  # see schedules.sends_early
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
@@ -127,11 +128,12 @@ def check(entry: dict) -> list[str]:
 
 
 def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2,
-                     chunks: int = 1) -> float:
+                     chunks: int = 1, early: bool = False) -> float:
     """The plan's ideal utilization (busy area / total area), backward = 2 x forward as in the
-    ``bubble_plan`` metric and ``relaytrain schedule`` (split schedules: B and W each half of it)."""
+    ``bubble_plan`` metric and ``relaytrain schedule`` (split schedules: B and W each half of it);
+    ``early``: as run with each input gradient sent before the weight gradients (``schedules.sends_early``)."""
     plan = schedules.build(schedule, pp, microbatches_per_replica, chunks)
-    return float(schedules.simulate(plan, backward_cost).utilization)
+    return float(schedules.simulate(schedules.sends_early(plan) if early else plan, backward_cost).utilization)
 
 
 def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) -> dict:
@@ -168,7 +170,7 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
                                        rp.relative(entry.get("stage_costs"))).bubble)
         else:
             plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
-                                    chunks=chunks_of(entry))
+                                    chunks=chunks_of(entry), early=bool(entry.get("sends_early")))
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
@@ -178,7 +180,7 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
             **({"tp": entry["tp"]} if entry.get("tp") else {}),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
-            "utilization_plan": plan, "lanes": lanes}
+            "utilization_plan": plan, "sends_early": bool(entry.get("sends_early")), "lanes": lanes}
 
 
 def _portals(entry: dict, lanes: list[dict]) -> list[dict]:

@@ -129,6 +129,11 @@ def test_bf16_losses_follow_the_one_process_bf16_loop(ray_session, tmp_path):
     assert_same_params(got, want["params"], rtol=2e-2, atol=2e-3)
     fp32 = reference.run(recipe_spec(1, 2, "1f1b"), microbatched=True)
     assert [r["loss"] for r in rows] != pytest.approx(fp32["losses"], rel=1e-6)  # autocast really ran
+    # under autocast the backward is torch's whole one: the input gradient goes after the weights',
+    # and the plan's bubble is the textbook 1F1B's
+    assert not any(r.get("sends_early") for r in rows)
+    m = spec.microbatches
+    assert rows[-1]["bubble_plan"] == pytest.approx(1 / (m + 1))
 
 
 def test_a_resume_in_another_shape_follows_the_schedule_and_equals_one_process(ray_session, tmp_path):

@@ -403,3 +403,36 @@ def test_cli_schedule_new_schedules(capsys):
 def test_cli_schedule_bad_chunks_and_costs(capsys, argv, message):
     assert main(["schedule", "--stages", "4", "--microbatches", "8", *argv]) == 2
     assert capsys.readouterr().err.startswith(message)
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+def test_sends_early_keeps_the_order_and_memory_and_shrinks_the_idle(name, v, p, m):
+    """A schedule as relaytrain's workers run it where each backward sends its input gradient
+    before its weight gradients: every B followed at once by its W, the order and the
+    activations held unchanged, never more idle than the schedule (less wherever a stage waits
+    for the one after it), and never less than ZB-H1, whose W's go where the bubble was."""
+    plan = S.build(name, p, m, v)
+    early = S.sends_early(plan)
+    assert [[a for a in acts if a.kind != "W"] for acts in early.order] == [list(acts) for acts in plan.order]
+    for acts in early.order:
+        for i, a in enumerate(acts):
+            if a.kind == "B":
+                assert acts[i + 1] == S.Action(a.stage, "W", a.mb)
+    assert S.peak_in_flight(early) == S.peak_in_flight(plan)
+    t_plan, t_early = S.simulate(plan, 2), S.simulate(early, 2)  # B and W each half of the backward
+    assert t_early.bubble < t_plan.bubble
+    if name == "1f1b":
+        assert t_early.bubble >= S.simulate(S.build("zb_h1", p, m), 2).bubble
+    assert S.sends_early(S.build("zb_h1", p, m)) == S.build("zb_h1", p, m)  # split already: as it is
+
+
+def test_sends_early_1f1b_against_zb_h1_at_p2():
+    """The figures behind issue 19's ZB-H1 goal at p = 2 (F = B = W): 1F1B idles 1/9 of the step,
+    1F1B with early sends (what relaytrain runs) 1/13, ZB-H1 1/25, so ZB-H1's bubble is 0.36 of
+    the textbook 1F1B's but 0.52 of relaytrain's own."""
+    one, zb = S.build("1f1b", 2, 8), S.build("zb_h1", 2, 8)
+    assert S.simulate(one, 2).bubble == Fraction(1, 9)
+    assert S.simulate(S.sends_early(one), 2).bubble == Fraction(1, 13)
+    assert S.simulate(zb, 2).bubble == Fraction(1, 25)
+    assert str(S.sends_early(S.build("1f1b", 2, 2))) == "0F0 0F1 0B0 0W0 0B1 0W1\n1F0 1B0 1W0 1F1 1B1 1W1"

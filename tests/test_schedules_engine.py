@@ -93,6 +93,10 @@ def test_the_next_step_is_queued_before_the_step_ends(ray_session, tmp_path):
     queued = [r["step"] for r in rows if r.get("queued_early")]
     # steps 2-4 and 6-8 were sent while the step before ran; 5 waited for the checkpoint of step 4
     assert queued == [2, 3, 4, 6, 7, 8]
+    # the model's Linears send each input gradient before their weight gradients: the plan's
+    # bubble is that of 1F1B run so (1/13 at p = 2, M = 8), not the textbook 1/9
+    assert all(r["sends_early"] for r in rows)
+    assert rows[-1]["bubble_plan"] == pytest.approx(1 / 13)
     want, _ = reference.train(spec)
     assert_same_params(torch.load(tmp_path / "model.pt"), want)
 

@@ -79,8 +79,11 @@ def test_timeline_json_agrees_with_the_schedule(server, job):
                     "1f1b", PP, M // DP, lane["dp_rank"], lane["pp_rank"])
                 assert lane["node"]
             assert timeline.check(as_entry(v)) == []  # and no box overlaps another of its worker
+            # the MLP's Linears send each input gradient before their weight gradients: the plan
+            # is 1F1B as run so (schedules.sends_early)
+            assert v["sends_early"] is True
             assert 0 < v["utilization"] <= 1 and v["utilization_plan"] == pytest.approx(
-                timeline.plan_utilization("1f1b", PP, M // DP))
+                timeline.plan_utilization("1f1b", PP, M // DP, early=True))
         r = c.get(f"/v1/jobs/{job}/timeline", params={"step": 10**9})
         assert r.status_code == 404 and "has 100000 steps; timelines kept: steps " in r.json()["detail"]
         with server.client(BOB) as other:
@@ -183,7 +186,7 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
                     timeline.planned_order("1f1b", PP, M // DP, r, s)
             assert page.locator("#swimlane rect[data-idle]").count() > 0
             assert page.locator("#util-measured").inner_text().endswith("%")
-            assert page.locator("#util-plan").inner_text() == f"{timeline.plan_utilization('1f1b', PP, M // DP):.1%}"
+            assert page.locator("#util-plan").inner_text() == f"{timeline.plan_utilization('1f1b', PP, M // DP, early=True):.1%}"
             # the loss and samples/s curves: a point per committed step
             steps = [r["step"] for r in rows]
             assert len(steps) == job_row["step"] >= 3
