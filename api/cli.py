@@ -24,7 +24,16 @@ def _schedule(args) -> int:
     try:
         plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks)
         weight = None if args.weight_cost is None else cost(args.weight_cost, "--weight-cost")
-        print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight))
+        if args.sends_early:
+            if plan.split:
+                raise ValueError(f"{args.schedule} splits its backward into B and W already; --sends-early "
+                                 "is for gpipe, 1f1b and interleaved_1f1b")
+            plan = schedules.sends_early(plan)
+        grid = schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight)
+        if args.sends_early:  # the last line names the plan
+            head, _, last = grid.rpartition("\n")
+            grid = f"{head}\n{last.replace(f'{plan.name}:', f'{plan.name} (input gradients sent early):', 1)}"
+        print(grid)
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
         return 2
@@ -459,6 +468,9 @@ def _local_commands(sub) -> None:
     sch.add_argument("--weight-cost", default=None,
                      help="weight-gradient time W in units of forward time (default: half of --backward-cost "
                           "for zb_h1 and zbv); 1f1b, gpipe, interleaved_1f1b run B + W as one backward")
+    sch.add_argument("--sends-early", action="store_true",
+                     help="gpipe, 1f1b, interleaved_1f1b as the workers run them when the layers are plain "
+                          "Linears: each B sends the input gradient, then its W computes the weight gradients")
     sch.add_argument("--replicas", default=None, metavar="R0,R1,...",
                      help="workers per stage (replicated stages, gpipe or 1f1b): one row per worker")
     sch.add_argument("--stage-costs", default=None, metavar="C0,C1,...",

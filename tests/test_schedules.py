@@ -436,3 +436,16 @@ def test_sends_early_1f1b_against_zb_h1_at_p2():
     assert S.simulate(S.sends_early(one), 2).bubble == Fraction(1, 13)
     assert S.simulate(zb, 2).bubble == Fraction(1, 25)
     assert str(S.sends_early(S.build("1f1b", 2, 2))) == "0F0 0F1 0B0 0W0 0B1 0W1\n1F0 1B0 1W0 1F1 1B1 1W1"
+
+
+def test_cli_schedule_sends_early(capsys):
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "3", "--sends-early"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == "stage 0 0F0 0F1 0B0 0W0 0F2 0B1 0W1 0B2 0W2".split()
+    assert out[-1] == ("1f1b (input gradients sent early): stages=2 microbatches=3 chunks=1 F=1 B=1 W=1  "
+                       "bubble=18.2%  utilization=81.8%")  # the textbook plan: 25.0%
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "8", "--sends-early"]) == 0
+    assert "bubble=7.7%" in capsys.readouterr().out.splitlines()[-1]
+    assert main(["schedule", "--schedule", "zb_h1", "--stages", "2", "--microbatches", "8", "--sends-early"]) == 2
+    assert capsys.readouterr().err.strip() == ("relaytrain schedule: zb_h1 splits its backward into B and W already; "
+                                               "--sends-early is for gpipe, 1f1b and interleaved_1f1b")
