@@ -337,6 +337,7 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
         f'viewBox="0 0 {lay.width} {lay.height}" data-step="{v["step"]}" data-lanes="{lay.lanes}" '
         f'data-utilization="{v["utilization"] if v["utilization"] is not None else ""}" '
         f'data-utilization-plan="{v["utilization_plan"] if v["utilization_plan"] is not None else ""}" '
+        f'data-sends-early="{"1" if v.get("sends_early") else ""}" '
         f'data-available="{available}" font-family="system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif">',
         "<defs>",
         '<pattern id="rt-idle" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'

@@ -187,6 +187,7 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             assert page.locator("#swimlane rect[data-idle]").count() > 0
             assert page.locator("#util-measured").inner_text().endswith("%")
             assert page.locator("#util-plan").inner_text() == f"{timeline.plan_utilization('1f1b', PP, M // DP, early=True):.1%}"
+            assert page.locator("#util-plan").get_attribute("title").startswith("the plan with input gradients sent early")
             # the loss and samples/s curves: a point per committed step
             steps = [r["step"] for r in rows]
             assert len(steps) == job_row["step"] >= 3

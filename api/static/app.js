@@ -533,6 +533,9 @@ async function loadTimeline(v, job, gen) {
   v.timelineKey = key;
   $("#util-measured").textContent = fmtPct(root.getAttribute("data-utilization"));
   $("#util-plan").textContent = fmtPct(root.getAttribute("data-utilization-plan"));
+  $("#util-plan").title = root.getAttribute("data-sends-early")
+    ? "the plan with input gradients sent early: each backward sends the gradient of its input before computing its weight gradients (plain Linear layers), so the stage before waits less"
+    : "the schedule's plan, backward = 2 x forward";
   const steps = (root.getAttribute("data-available") || "").split(" ").filter(Boolean);
   const select = $("#timeline-step");
   const current = select.value;
