@@ -204,13 +204,14 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         cells = [stats[(r, s)] for s in range(width)]
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
+    early = not replicas and sends_early(stats)
     ideal = (float(rp.plan(schedule, replicas, microbatches // dp, rp.relative(stage_costs)).bubble) if replicas
-             else plan_bubble(schedule, pp, microbatches // dp, chunks, sends_early(stats)))
+             else plan_bubble(schedule, pp, microbatches // dp, chunks, early))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
-            **({"sends_early": True} if not replicas and sends_early(stats) else {}),
+            **({"sends_early": True} if early else {}),
             "peak_live": [max(stats[(r, t)]["peak_live"] for r in range(dp) for t in slots) for slots in of_stage],
             # bytes the first worker of each stage of replica 0 received from other workers, by kind
             # (act, grad, skip, skipgrad)

@@ -29,11 +29,8 @@ def _schedule(args) -> int:
                 raise ValueError(f"{args.schedule} splits its backward into B and W already; --sends-early "
                                  "is for gpipe, 1f1b and interleaved_1f1b")
             plan = schedules.sends_early(plan)
-        grid = schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight)
-        if args.sends_early:  # the last line names the plan
-            head, _, last = grid.rpartition("\n")
-            grid = f"{head}\n{last.replace(f'{plan.name}:', f'{plan.name} (input gradients sent early):', 1)}"
-        print(grid)
+        title = f"{plan.name} (input gradients sent early)" if args.sends_early else None
+        print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight, title))
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
         return 2

@@ -531,18 +531,19 @@ def grid_lines(rows: list, start: dict, end: dict, unit: Fraction, makespan: Fra
 
 
 def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2,
-                weight_cost: Fraction | float | int | None = None) -> str:
+                weight_cost: Fraction | float | int | None = None, title: str | None = None) -> str:
     """Worker x time grid of the simulated plan (one row per worker, ``stage i``); an action
     fills as many cells as it lasts (one cell = the greatest common unit of the actions'
     durations), idle cells are blank.  Last line: the plan, its costs per microbatch through
-    a worker's whole share (F = 1), bubble fraction and utilization."""
+    a worker's whole share (F = 1), bubble fraction and utilization; ``title`` names the plan
+    there (default: the schedule's name)."""
     timing = simulate(schedule, backward_cost, weight_cost)
     costs = action_costs(schedule, backward_cost, weight_cost)
     lines = grid_lines([(f"stage {i:<2}", acts) for i, acts in enumerate(schedule.order)], timing.start, timing.end,
                        unit_of(costs.values()), timing.makespan)
     share = " ".join(f"{k}={c * schedule.chunks}" for k, c in costs.items())
     lines.append(
-        f"{schedule.name}: stages={schedule.stages} microbatches={schedule.microbatches} "
+        f"{title or schedule.name}: stages={schedule.stages} microbatches={schedule.microbatches} "
         f"chunks={schedule.chunks} {share}  bubble={float(timing.bubble):.1%}  "
         f"utilization={float(timing.utilization):.1%}"
     )
