@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from service import builtins
+from service import tracing
 
 
 class Pending:
@@ -83,15 +83,8 @@ def weight_grads(pending: list) -> None:
             _accumulate(module.bias, g2.sum(0))
 
 
-# the forwards known to be nn.Linear's, and whether they first cast the input to the weight's
-# dtype (the built-in models' Linear: float32 data into a float64 model)
-_FORWARDS = {nn.Linear.forward: False, builtins.Linear.forward: True}
-
-
-def _plain(m: nn.Module) -> bool:
-    """A Linear whose forward is nn.Linear's own, or the built-in models' (which only casts its
-    input); a subclass that overrides it otherwise is left alone."""
-    return isinstance(m, nn.Linear) and type(m).forward in _FORWARDS
+_FORWARDS = tracing.LINEAR_FORWARDS  # each forward: whether it casts the input first
+_plain = tracing.plain_linear
 
 
 def install(part: nn.Module, pending: Pending) -> int:

@@ -40,7 +40,10 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
     facts = planner.LayerFacts(seconds, t.param_bytes, act_bytes, saved_bytes=t.saved_bytes or None,
                                checkpointing=spec.training.activation_checkpointing,
                                skips=[(s.stasher, s.popper, _bytes(*s.meta)) for s in t.skips],
-                               gathers=t.norms if spec.training.batch_norm == "global" else frozenset())
+                               gathers=t.norms if spec.training.batch_norm == "global" else frozenset(),
+                               # under bf16 autocast autograd computes every gradient (actors/stage.py)
+                               linears=None if spec.training.precision == "bf16" else t.linears,
+                               gpu=bool(spec.resources.gpus_per_worker))
     skips = [(s.stasher, s.popper, s.name, s.at, s.meta) for s in t.skips]
     return Layers(facts, t.metas, t.stateless, profiled, t.on_meta, skips)
 

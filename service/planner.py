@@ -16,7 +16,12 @@ one step, per replica, for every schedule::
             backward of 2 (split schedules: B 1 + W 1; each action of a chunked schedule 1/v),
             divided by 3 (one microbatch's forward + backward on one worker)
           = m + pp - 1 for gpipe and 1f1b; about m + (pp - 1) / v for interleaved_1f1b;
-            about m + (pp - 1) / 3 for zb_h1 (the deferred W fills most of the bubble)
+            about m + (pp - 1) / 3 for zb_h1 (the deferred W fills most of the bubble).
+            Where the workers send each input gradient before the weight gradients (every
+            chunk with parameters holds a plain Linear; not under bf16, tensor parallelism,
+            replicated stages or a GPU's gradient sum during backward: ``LayerFacts.early``),
+            the unsplit schedules are timed as ``schedules.sends_early`` plans (B 1 then W 1
+            at once): 1f1b at pp = 2, m = 8 takes 26/3 units, not 9
     slot = max over workers of (forward+backward seconds of the layers of all its chunks for one
            microbatch + one hop per chunk boundary that crosses workers, activation out or
            gradient back: 2 per chunk with pp > 1, less the model's two ends; zbv's turn at
@@ -69,6 +74,20 @@ class LayerFacts:
     skips: Sequence[tuple] = ()
     # training.batch_norm: global: the layers holding a BatchNorm, where a stage waits for all its microbatches
     gathers: frozenset = frozenset()
+    # the layers holding a plain Linear (service/tracing.py plain_linear), whose weight gradients
+    # the workers compute after sending the input gradient; None: not known, or not so computed
+    # (bf16), and the plans are the textbook ones
+    linears: Optional[frozenset] = None
+    gpu: bool = False                 # the workers start the gradient sum during backward when dp > 1 (no early sends)
+
+    def early(self, bounds: Sequence[tuple[int, int]], overlap: bool = False) -> bool:
+        """Whether workers holding the chunks ``bounds`` send each input gradient before their
+        weight gradients (actors/stage.py ``sends_early``): every chunk with parameters holds a
+        plain Linear.  ``overlap``: the gradient sum starts during backward (GPU, dp > 1): no."""
+        if self.linears is None or overlap:
+            return False
+        return all(any(i in self.linears for i in range(lo, hi)) or not any(self.param_bytes[lo:hi])
+                   for lo, hi in bounds)
 
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
@@ -212,8 +231,9 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     else:
         sizes = partition.balanced(facts.seconds, virtual)
     where = schedules.placement(schedule)
-    units, peaks = _plan_model(schedule, pp, m, chunks)
     bounds = partition.bounds(sizes)
+    early = not replicas and tp == 1 and facts.early(bounds, overlap=facts.gpu and dp > 1 and chunks == 1)
+    units, peaks = _plan_model(schedule, pp, m, chunks, early)
     if facts.gathers and schedule == "gpipe":
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
@@ -285,18 +305,20 @@ def _check_chunks(schedule: str, chunks: int) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_model(schedule: str, pp: int, m: int, chunks: int) -> tuple[float, tuple[Fraction, ...]]:
+def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False) -> tuple[float, tuple[Fraction, ...]]:
     """``(units, peaks)`` of the plan of ``schedule`` for ``pp`` workers, ``m`` microbatches and
     ``chunks`` chunks per worker: its makespan in units of one microbatch's forward+backward on a
     worker (forward 1, backward 2), and per worker its peak held activations in units of one
-    microbatch's activations of the worker's whole share.  GPipe and 1F1B in closed form (what
-    their simulation gives), the others simulated; cached, as the planner models many shapes."""
-    if schedule == "gpipe" and chunks == 1:
+    microbatch's activations of the worker's whole share.  ``early``: timed as the workers run
+    it when each input gradient is sent before the weight gradients (``schedules.sends_early``,
+    the same order and activations).  GPipe and 1F1B in closed form (what their simulation
+    gives), the others simulated; cached, as the planner models many shapes."""
+    if schedule == "gpipe" and chunks == 1 and not early:
         return float(m + pp - 1), tuple(Fraction(m) for _ in range(pp))
-    if schedule == "1f1b" and chunks == 1:
+    if schedule == "1f1b" and chunks == 1 and not early:
         return float(m + pp - 1), tuple(Fraction(min(m, pp - i)) for i in range(pp))
     plan = schedules.build(schedule, pp, m, chunks)
-    units = float(Fraction(schedules.simulate(plan).makespan) / 3)
+    units = float(Fraction(schedules.simulate(schedules.sends_early(plan) if early else plan).makespan) / 3)
     return units, tuple(Fraction(f).limit_denominator(10**6) for f in schedules.peak_activation_fraction(plan))
 
 

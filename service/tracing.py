@@ -20,11 +20,23 @@ from typing import Callable
 import torch
 from torch import nn
 
-from service import lazydynamo
+from service import builtins, lazydynamo
 from service.spec import SpecError
 
 REAL_RUN_MAX_BYTES = 64 * 2**20  # parameters a process may build for a moment to trace a model for real
 LAYER_OVERHEAD_S = 20e-6         # a layer's fixed cost per pass (Python and operator dispatch)
+
+
+# the forwards known to be nn.Linear's, and whether they first cast the input to the weight's
+# dtype (the built-in models' Linear: float32 data into a float64 model)
+LINEAR_FORWARDS = {nn.Linear.forward: False, builtins.Linear.forward: True}
+
+
+def plain_linear(m: nn.Module) -> bool:
+    """A Linear whose forward is nn.Linear's own, or the built-in models' (which only casts its
+    input); a subclass that overrides it otherwise is left alone.  The workers compute such a
+    layer's weight gradient themselves, after the input gradient (actors/deferred.py)."""
+    return isinstance(m, nn.Linear) and type(m).forward in LINEAR_FORWARDS
 
 
 def norms_of(part: nn.Module) -> list:
@@ -47,6 +59,7 @@ class Trace:
     saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
     skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
     norms: frozenset = frozenset()  # layers holding a BatchNorm with running statistics (training.batch_norm)
+    linears: frozenset = frozenset()  # layers holding a plain Linear (plain_linear): their weight gradients can wait
 
 
 @dataclass(frozen=True)
@@ -215,8 +228,9 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
         raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
     norms = frozenset(i for i in range(count) if norms_of(layers[i]))
+    linears = frozenset(i for i in range(count) if any(plain_linear(m) for m in layers[i].modules()))
     return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,
-                 norms=norms)
+                 norms=norms, linears=linears)
 
 
 def _same(t):

@@ -1,4 +1,6 @@
 """The elastic planner's choices for a table of (alive slots, layers, B, microbatch size), without Ray."""
+import dataclasses
+
 import pytest
 
 from service.planner import LayerFacts, model_shape, plan
@@ -122,6 +124,54 @@ def test_zb_h1_models_a_shorter_step_than_1f1b_at_the_same_memory():
     assert zb.step_s < one.step_s * 0.9  # the W fill most of 1F1B's bubble
     assert zb.memory_bytes == one.memory_bytes
     assert (zb.chunks, zb.placement, zb.sizes) == (1, "loop", (2, 2, 2, 2))
+
+
+def test_where_workers_send_input_gradients_early_the_step_is_the_early_plans():
+    """Every chunk with parameters holds a plain Linear: the workers send each input gradient
+    before the weight gradients (actors/stage.py sends_early), and the planner times the plan
+    as they run it: 1F1B at pp = 2, M = 8 takes 26/3 units (1/13 of it idle), not 9 (1/9)."""
+    linear = dataclasses.replace(EQUAL8, linears=frozenset(range(8)))
+    slot = 0.040 + HOP
+    assert model_shape(EQUAL8, 1, 2, 8).step_s == pytest.approx(9 * slot)  # not known: the textbook plan
+    assert model_shape(linear, 1, 2, 8).step_s == pytest.approx(26 / 3 * slot)
+    early = schedules.simulate(schedules.sends_early(schedules.build("1f1b", 2, 8)))
+    assert early.makespan == 26 and early.bubble == Fraction(1, 13)
+    # the same order and the same activations held
+    assert model_shape(linear, 1, 2, 8).memory_bytes == model_shape(EQUAL8, 1, 2, 8).memory_bytes
+    # GPipe and interleaved too; ZB-H1 splits its backward anyway: unchanged
+    for schedule, chunks in (("gpipe", 1), ("interleaved_1f1b", 2)):
+        assert model_shape(linear, 1, 2, 8, schedule=schedule, chunks=chunks).step_s \
+            < model_shape(EQUAL8, 1, 2, 8, schedule=schedule, chunks=chunks).step_s
+    assert model_shape(linear, 1, 2, 8, schedule="zb_h1").step_s == model_shape(EQUAL8, 1, 2, 8, schedule="zb_h1").step_s
+    # a chunk whose parameters sit in no plain Linear (layers 4-7 here) computes all its
+    # gradients in one backward: the textbook plan
+    half = dataclasses.replace(EQUAL8, linears=frozenset(range(4)))
+    assert model_shape(half, 1, 2, 8).step_s == pytest.approx(9 * slot)
+    # ... unless those layers hold no parameters (activations, reshapes)
+    stateless = dataclasses.replace(half, param_bytes=[MB] * 4 + [0] * 4)
+    assert model_shape(stateless, 1, 2, 8, partition_rule=[5, 3]).step_s < model_shape(half, 1, 2, 8, partition_rule=[5, 3]).step_s
+    # tensor parallelism, replicated stages, and the gradient sum during a GPU's backward: no early sends
+    assert model_shape(linear, 1, 2, 8, tp=2).step_s == pytest.approx(model_shape(EQUAL8, 1, 2, 8, tp=2).step_s)
+    gpu = dataclasses.replace(linear, gpu=True)
+    assert model_shape(gpu, 1, 2, 8).step_s == pytest.approx(26 / 3 * slot)  # dp = 1: nothing to sum
+    dp2 = model_shape(gpu, 2, 2, 16)
+    assert dp2.step_s == pytest.approx(model_shape(EQUAL8, 2, 2, 16).step_s)
+
+
+def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
+    from actors.layerfacts import learn
+    from service.spec import parse_spec
+
+    spec = {"name": "lin", "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 32, "layers": 3,
+                                                             "separate_activations": True}},
+            "data": {"kind": "digits"}, "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 1},
+            "parallelism": {"pp": 2}}
+    facts = learn(parse_spec(spec), []).facts
+    # Linear, ReLU, Linear, ReLU, Linear, ReLU, Linear: the activations hold no Linear (nor parameters)
+    assert facts.linears == frozenset({0, 2, 4, 6})
+    assert facts.early([(0, 3), (3, 7)])
+    bf16 = learn(parse_spec({**spec, "training": {**spec["training"], "precision": "bf16"}}), []).facts
+    assert bf16.linears is None and not bf16.early([(0, 3), (3, 7)])
 
 
 def test_interleaved_divides_the_bubble_by_v_and_pays_more_hops():
