@@ -83,15 +83,11 @@ def weight_grads(pending: list) -> None:
             _accumulate(module.bias, g2.sum(0))
 
 
-_FORWARDS = tracing.LINEAR_FORWARDS  # each forward: whether it casts the input first
-_plain = tracing.plain_linear
-
-
 def install(part: nn.Module, pending: Pending) -> int:
     """Route the forward of every plain Linear in ``part`` through ``_Linear``; returns how many."""
     n = 0
     for m in part.modules():
-        if _plain(m):
+        if tracing.plain_linear(m):
             m.forward = _bound(m, pending)
             n += 1
     return n
@@ -99,12 +95,12 @@ def install(part: nn.Module, pending: Pending) -> int:
 
 def uninstall(part: nn.Module) -> None:
     for m in part.modules():
-        if _plain(m):
+        if tracing.plain_linear(m):
             m.__dict__.pop("forward", None)
 
 
 def _bound(m: nn.Linear, pending: Pending):
-    casts = _FORWARDS[type(m).forward]
+    casts = tracing.LINEAR_FORWARDS[type(m).forward]  # whether it casts the input first
 
     def forward(x):
         if casts and x.dtype != m.weight.dtype:
