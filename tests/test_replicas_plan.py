@@ -162,6 +162,13 @@ def test_the_plan_command_shows_the_choice_beside_pp_only_and_dp_only(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "(chosen" in out.stdout and "pp only" in out.stdout and "dp only" in out.stdout
     assert "parallelism.replicas auto:" in out.stdout
+    # the built-in MLP's weights are plain Linears: its plain pipelines are timed with early sends
+    assert "plain pipelines timed with each input gradient sent before the weight gradients" in out.stdout
+    bf16 = tmp_path / "bf16.yaml"
+    bf16.write_text(spec.read_text().replace("steps: 1}", "steps: 1, precision: bf16}"))
+    out = run_cli("plan", str(bf16))
+    assert out.returncode == 0, out.stderr
+    assert "parallelism.replicas auto:" in out.stdout and "sent before the weight gradients" not in out.stdout
     bad = run_cli("plan", str(spec), "--workers", "0")
     assert bad.returncode == 2 and "--workers must be at least 1" in bad.stderr
     spec.write_text(spec.read_text().replace("replicas: auto", "replicas: [1, 2]"))
