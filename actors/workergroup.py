@@ -296,6 +296,8 @@ class WorkerGroup:
                 first_error, t_error = time.monotonic(), time.time()
                 if self.elastic and step is not None:  # wake every worker blocked on the lost one
                     pings = self.abort_all()
+        if pending:
+            _drain_quietly(pending)
         return out, errors, pings, t_error
 
     @staticmethod
@@ -370,3 +372,17 @@ def kill(handle) -> None:
         ray.kill(handle)
     except Exception:
         pass
+
+
+def _drain_quietly(refs: list, timeout: float = 60.0) -> None:
+    """Take, in a thread, the results of step calls left behind after a failure (the peers of
+    a worker whose user code raised fail in turn, "receiving the gradient ... failed"): a call's
+    error that nobody takes is printed by Ray, when its reference goes, as an "Unhandled error"
+    traceback on the scheduler's stderr, which the job's log then shows after the real cause."""
+    def drain() -> None:
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout)
+            except Exception:  # noqa: BLE001 - the step already failed with its cause
+                pass
+    threading.Thread(target=drain, name="relaytrain-drain", daemon=True).start()

@@ -366,6 +366,12 @@ def test_cli_on_a_failing_job(server):
     assert cancel.returncode == 1 and "HTTP 409" in cancel.stderr and "already ended FAILED" in cancel.stderr
     other = cli(server, "status", job["id"], token=BOB)
     assert other.returncode == 1 and "HTTP 404" in other.stderr
+    # the peer's broken connection is a consequence, reported with the cause (the events): Ray
+    # does not print it again as an "Unhandled error" traceback on the scheduler's stderr, which
+    # the log would show after the layer's last words
+    time.sleep(1.0)
+    again = cli(server, "logs", job["id"]).stdout
+    assert "Unhandled error" not in again, again[-2000:]
 
 
 def test_serve_with_an_unreachable_store_says_so_without_the_password(tmp_path):

@@ -223,3 +223,41 @@ def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_
     assert run(False, [1, 2]) == [1, 2]  # not the previous run's rows and then these
     assert run(True, [3, 4]) == [1, 2, 3, 4]
     assert len(open(tmp_path / "events.jsonl").readlines()) == 2
+
+
+def test_the_peers_calls_left_behind_by_a_user_error_are_taken_not_printed(ray_session, monkeypatch):
+    """A worker's user code raises; its peer fails a moment later on the broken connection. The
+    step fails with the user's error at once, and the peer's call, which nobody waited for, is
+    taken in the background: Ray would otherwise print it as an "Unhandled error" traceback on
+    the scheduler's stderr when its reference goes, after the real cause in the job's log (seen
+    in CI: the log's last line was the peer's PeerLost, not what the failing layer printed)."""
+    import gc
+
+    import ray
+    import ray._private.worker as ray_worker
+
+    from actors.failures import JobFailure, PeerLost
+    from actors.workergroup import WorkerGroup
+
+    printed = []
+    monkeypatch.setattr(ray_worker, "_unhandled_error_handler", lambda e: printed.append(e))
+
+    @ray.remote
+    def user_step():
+        raise ValueError("boom from a user layer")
+
+    @ray.remote
+    def peer_step():
+        time.sleep(0.5)
+        raise PeerLost("receiving the gradient of microbatch 2 failed: RuntimeError: Connection closed by peer")
+
+    group = WorkerGroup.__new__(WorkerGroup)  # only gather's state: a fixed-shape job, its log
+    group.elastic, group.log = False, lambda outputs: None
+    refs = {(0, 1): user_step.remote(), (0, 0): peer_step.remote()}
+    with pytest.raises(JobFailure, match="w0.1 at step 1 raised ValueError: boom from a user layer"):
+        group.gather(refs, 0, timeout=30)
+    del refs
+    gc.collect()
+    time.sleep(1.5)  # the peer's call has failed by now
+    gc.collect()
+    assert printed == []
