@@ -242,22 +242,28 @@ def test_the_peers_calls_left_behind_by_a_user_error_are_taken_not_printed(ray_s
     printed = []
     monkeypatch.setattr(ray_worker, "_unhandled_error_handler", lambda e: printed.append(e))
 
-    @ray.remote
-    def user_step():
-        raise ValueError("boom from a user layer")
+    # actors, not tasks: their processes end with them (an idle task worker could host a later
+    # test's stage worker, which expects a process of its own)
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def run_step(self, user: bool):
+            if user:
+                raise ValueError("boom from a user layer")
+            time.sleep(0.5)
+            raise PeerLost("receiving the gradient of microbatch 2 failed: RuntimeError: Connection closed by peer")
 
-    @ray.remote
-    def peer_step():
-        time.sleep(0.5)
-        raise PeerLost("receiving the gradient of microbatch 2 failed: RuntimeError: Connection closed by peer")
-
-    group = WorkerGroup.__new__(WorkerGroup)  # only gather's state: a fixed-shape job, its log
-    group.elastic, group.log = False, lambda outputs: None
-    refs = {(0, 1): user_step.remote(), (0, 0): peer_step.remote()}
-    with pytest.raises(JobFailure, match="w0.1 at step 1 raised ValueError: boom from a user layer"):
-        group.gather(refs, 0, timeout=30)
-    del refs
-    gc.collect()
-    time.sleep(1.5)  # the peer's call has failed by now
-    gc.collect()
-    assert printed == []
+    workers = [Worker.remote(), Worker.remote()]
+    try:
+        group = WorkerGroup.__new__(WorkerGroup)  # only gather's state: a fixed-shape job, its log
+        group.elastic, group.log = False, lambda outputs: None
+        refs = {(0, 1): workers[1].run_step.remote(True), (0, 0): workers[0].run_step.remote(False)}
+        with pytest.raises(JobFailure, match="w0.1 at step 1 raised ValueError: boom from a user layer"):
+            group.gather(refs, 0, timeout=30)
+        del refs
+        gc.collect()
+        time.sleep(1.5)  # the peer's call has failed by now
+        gc.collect()
+        assert printed == []
+    finally:
+        for w in workers:
+            ray.kill(w)
