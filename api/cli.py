@@ -98,7 +98,7 @@ def _plan(args) -> int:
     print(f"{workers} workers ({w} per pipeline, dp {p.dp}), {p.schedule}, {spec.microbatches} microbatches; layer "
           f"costs (ms, {'declared' if p.layer_costs_ms else 'estimated'}): "
           f"[{', '.join(f'{s * 1e3:.3g}' for s in f.seconds)}]")
-    if any(s.pp > 1 and not s.replicas and f.early(s.bounds, overlap=f.gpu and p.dp > 1) for s in shapes):
+    if any(s.pp > 1 and not s.replicas and f.early(s.bounds, p.dp) for s in shapes):
         print("plain pipelines timed with each input gradient sent before the weight gradients (every stage's "
               "weights sit in plain Linear layers; `relaytrain schedule --sends-early` draws the plan)")
     print(f"{'shape':<26}{'layers per stage':<20}{'modelled step':>15}{'peak memory':>14}")

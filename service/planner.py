@@ -80,11 +80,11 @@ class LayerFacts:
     linears: Optional[frozenset] = None
     gpu: bool = False                 # the workers start the gradient sum during backward when dp > 1 (no early sends)
 
-    def early(self, bounds: Sequence[tuple[int, int]], overlap: bool = False) -> bool:
+    def early(self, bounds: Sequence[tuple[int, int]], dp: int = 1, chunks: int = 1) -> bool:
         """Whether workers holding the chunks ``bounds`` send each input gradient before their
         weight gradients (actors/stage.py ``sends_early``): every chunk with parameters holds a
-        plain Linear.  ``overlap``: the gradient sum starts during backward (GPU, dp > 1): no."""
-        if self.linears is None or overlap:
+        plain Linear, and the gradient sum does not start during backward (GPU, dp > 1, one chunk)."""
+        if self.linears is None or (self.gpu and dp > 1 and chunks == 1):
             return False
         return all(any(i in self.linears for i in range(lo, hi)) or not any(self.param_bytes[lo:hi])
                    for lo, hi in bounds)
@@ -232,7 +232,7 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
         sizes = partition.balanced(facts.seconds, virtual)
     where = schedules.placement(schedule)
     bounds = partition.bounds(sizes)
-    early = not replicas and tp == 1 and facts.early(bounds, overlap=facts.gpu and dp > 1 and chunks == 1)
+    early = not replicas and tp == 1 and facts.early(bounds, dp, chunks)
     units, peaks = _plan_model(schedule, pp, m, chunks, early)
     if facts.gathers and schedule == "gpipe":
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])

@@ -223,4 +223,3 @@ def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_
     assert run(False, [1, 2]) == [1, 2]  # not the previous run's rows and then these
     assert run(True, [3, 4]) == [1, 2, 3, 4]
     assert len(open(tmp_path / "events.jsonl").readlines()) == 2
-

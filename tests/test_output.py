@@ -61,9 +61,9 @@ def test_rays_marker_lines_are_not_the_users():
     assert [line for *_, line in tap.take()] == ["mine"]
     assert out.getvalue().startswith(":actor_name:")  # Ray's log monitor still sees it
 
+
 # with the session's Ray; here, after tests/test_memory.py, as the actors it starts and kills left
 # test_memory's page-fault bound failing when they ran before it in one session (not looked into)
-
 def test_the_peers_calls_left_behind_by_a_user_error_are_taken_not_printed(ray_session, monkeypatch):
     """A worker's user code raises; its peer fails a moment later on the broken connection. The
     step fails with the user's error at once, and the peer's call, which nobody waited for, is
