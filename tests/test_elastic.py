@@ -250,7 +250,7 @@ def test_a_lost_replica_under_global_batch_norm_reshapes_and_equals_plain_pytorc
 
 def test_node_added_mid_run_scales_up(cluster, tmp_path):
     with_nodes(cluster, 2)
-    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400, separate_activations=True,
+    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=200, separate_activations=True,
                         costs=SEPARATE, schedule="zb_h1")  # the new workers take ReLU entries: built, not copied
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
@@ -267,7 +267,7 @@ def test_node_added_mid_run_scales_up(cluster, tmp_path):
 
 def test_shrink_then_grow_changes_pp_and_dp(cluster, tmp_path):
     with_nodes(cluster, 4)
-    spec = elastic_spec("shrink-grow", 2, 2, steps=400, schedule="interleaved_1f1b")  # 2 chunks per worker
+    spec = elastic_spec("shrink-grow", 2, 2, steps=200, schedule="interleaved_1f1b")  # 2 chunks per worker
     job = Job(spec, tmp_path)
     p = job.wait_step(8)
     cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.0"]))  # graceful: SIGTERM
@@ -544,7 +544,7 @@ def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_no
 
     add, tokens = tp_nodes
     add(2)
-    spec = tp_elastic_spec(tokens, "tp-lose-rank", 2, 1, steps=200)
+    spec = tp_elastic_spec(tokens, "tp-lose-rank", 2, 1, steps=120)
     job = Job(spec, tmp_path)
     p = job.wait_step(6)
     assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
