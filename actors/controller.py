@@ -119,7 +119,7 @@ class JobController:
             if not self.elastic and not self.group.workers:  # its workers start while the model is traced
                 p = self.spec.parallelism
                 early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pipeline_workers)])
-            self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search])
+            self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search], gpu=self.group.gpus > 0)
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:

@@ -4,6 +4,7 @@ bytes, output shape and bytes, and which layers carry no state (service/tracing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 from service import planner, tracing
 from service.loading import preflight
@@ -24,8 +25,10 @@ class Layers:
         return [self.metas[hi - 1] for _, hi in shape.bounds]
 
 
-def learn(spec: JobSpec, search: list[str]) -> Layers:
-    """The pre-flight check (service/loading.py) and what it traced."""
+def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layers:
+    """The pre-flight check (service/loading.py) and what it traced.  ``gpu``: whether the
+    workers get GPUs, as the scheduler decided it (``resources.gpus_per_worker`` unset takes one
+    when the cluster has a GPU per worker); without it, what the spec says."""
     p = spec.parallelism
     t = preflight(spec, search)
     profiled = (spec.elastic.enabled or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
@@ -43,7 +46,7 @@ def learn(spec: JobSpec, search: list[str]) -> Layers:
                                gathers=t.norms if spec.training.batch_norm == "global" else frozenset(),
                                # under bf16 autocast autograd computes every gradient (actors/stage.py)
                                linears=None if spec.training.precision == "bf16" else t.linears,
-                               gpu=bool(spec.resources.gpus_per_worker))
+                               gpu=bool(spec.resources.gpus_per_worker) if gpu is None else gpu)
     skips = [(s.stasher, s.popper, s.name, s.at, s.meta) for s in t.skips]
     return Layers(facts, t.metas, t.stateless, profiled, t.on_meta, skips)
 

@@ -50,6 +50,15 @@ from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
 
 
+def device_for(gpus_per_worker: Optional[float], given: list, cuda: bool) -> torch.device:
+    """A worker's device: CUDA when it is to use GPUs and this process sees one.  With
+    ``resources.gpus_per_worker`` unset, it uses GPUs when Ray gave it some (``given``, from
+    ``ray.get_gpu_ids()``): the scheduler asks for one per worker when the cluster has a GPU per
+    worker (actors/workergroup.py), and the transport follows the device (NCCL or gloo)."""
+    gpus = len(given) if gpus_per_worker is None else gpus_per_worker
+    return torch.device("cuda") if gpus > 0 and cuda else torch.device("cpu")
+
+
 class StageWorker:
     def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
         self.heap = keep_freed()  # a step's freed gradients and activations stay mapped for the next (actors/heap.py)
@@ -60,8 +69,9 @@ class StageWorker:
         self.search = [os.getcwd(), *search]
         self.timeout = timeout
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))
-        gpus = self.spec.resources.gpus_per_worker or 0
-        self.device = torch.device("cuda") if gpus > 0 and torch.cuda.is_available() else torch.device("cpu")
+        import ray
+
+        self.device = device_for(self.spec.resources.gpus_per_worker, ray.get_gpu_ids(), torch.cuda.is_available())
         check_precision(self.spec, gpus=self.device.type == "cuda")  # this node's hardware runs the recipe
         t = self.spec.training
         self.mbs, self.B = t.microbatch_size, t.global_batch_size

@@ -172,6 +172,13 @@ def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
     assert facts.early([(0, 3), (3, 7)])
     bf16 = learn(parse_spec({**spec, "training": {**spec["training"], "precision": "bf16"}}), []).facts
     assert bf16.linears is None and not bf16.early([(0, 3), (3, 7)])
+    # resources.gpus_per_worker unset: the scheduler says whether the cluster gave its workers GPUs; on GPUs
+    # at dp > 1 the gradient sum starts during the backward, so the textbook plan is timed
+    assert not facts.gpu and facts.early([(0, 3), (3, 7)], dp=2)
+    on_gpus = learn(parse_spec(spec), [], gpu=True).facts
+    assert on_gpus.gpu and not on_gpus.early([(0, 3), (3, 7)], dp=2) and on_gpus.early([(0, 3), (3, 7)], dp=1)
+    told = {**spec, "resources": {"gpus_per_worker": 1}}
+    assert learn(parse_spec(told), []).facts.gpu and not learn(parse_spec(told), [], gpu=False).facts.gpu
 
 
 def test_interleaved_divides_the_bubble_by_v_and_pays_more_hops():
