@@ -23,6 +23,10 @@ SILENT_GRACE_S = 0.8
 # a node whose workers were taken for lost is not placed on until Ray marks it dead (~15 s); if
 # it is still alive after this long, its workers were only slow, and it counts again
 SUSPECT_S = 30.0
+# when every worker holding some of the state is silent, they get this much longer before the job
+# rolls back to an off-node copy (or fails without one): a live process on a loaded machine can go
+# unscheduled for seconds, while a worker on a crashed node stays silent however long it is asked
+LOADED_GRACE_S = 5.0
 
 
 @dataclass
@@ -78,6 +82,16 @@ class Reshaper:
 
     # ---------------------------------------------------------------- turning events into moves
 
+    def stateful(self) -> set:
+        """The job's state as (layer, TP rank) pieces: a tensor-parallel job's rank j holds rank
+        j's slices; a stateless layer has none (it is rebuilt)."""
+        tp = self.group.shape.tp if self.group.shape else 1
+        return {(i, j) for i in set(range(self.layers)) - self.stateless for j in range(tp)}
+
+    def unheld(self, holders) -> set:
+        """The pieces of state none of the workers ``holders`` (cells) holds."""
+        return self.stateful() - {piece for c in holders for piece in self.group.pieces_of(c)}
+
     def after_loss(self, refs: dict, lost: WorkerLost) -> Move:
         """A step failed because workers died: which are alive (answer a ping and finished
         their aborted step), which are stuck (answer but still run: replaced), which are dead."""
@@ -88,6 +102,10 @@ class Reshaper:
         # that stayed silent to the abort's ping get until 1.2 s after the first error
         answered, _ = g.answering({c: h for c, h in g.workers.items() if c not in lost.lost}, timeout=2.0,
                                   silent=lost.silent, silent_until=lost.time + SILENT_GRACE_S)
+        quiet = {c: h for c, h in g.workers.items() if c not in answered and c not in lost.lost}
+        if quiet and self.unheld(answered):
+            late, _ = g.answering(quiet, timeout=LOADED_GRACE_S)
+            answered = {**answered, **late}
         # the live workers were aborted: their step calls end within milliseconds, or within
         # seconds on a loaded machine; one that still runs after that is stuck and replaced
         ray.wait([refs[c] for c in answered], num_returns=len(answered), timeout=10.0)
@@ -135,11 +153,7 @@ class Reshaper:
         """Where the layers no donor holds come from: the newest off-node copy.  An older copy
         takes every stage back with it, so all layers agree (the steps since then re-run)."""
         move.committed = committed
-        # state as (layer, TP rank) pieces: a tensor-parallel job's rank j holds rank j's slices
-        held = {piece for c in move.donors for piece in self.group.pieces_of(c)}
-        tp = self.group.shape.tp if self.group.shape else 1
-        stateful = {(i, j) for i in set(range(self.layers)) - self.stateless for j in range(tp)}
-        lost = stateful - held  # a stateless layer is rebuilt
+        lost = self.unheld(move.donors)
         if not lost:
             return
         lost_layers = {i for i, _ in lost}
@@ -147,7 +161,7 @@ class Reshaper:
         # the copies kept by any live worker count (kept workers too: a reshape tried again after a worker
         # was lost while state moved has no donors, but its kept workers still keep their copies)
         alive = {h._actor_id.hex() for h in [*move.donors.values(), *move.keep.values()]}
-        copy = self.keeper.newest_copy(lost, alive, committed, stateful)
+        copy = self.keeper.newest_copy(lost, alive, committed, self.stateful())
         if copy is None:
             raise JobFailure(f"every replica of layers {sorted(lost_layers)} was lost and there is no "
                              "off-node copy of them (enable elastic.snapshot_every_steps or checkpoint.every_steps; "

@@ -10,6 +10,8 @@ float64 both agree with it to 1e-14 over 400 steps, so the comparison checks the
 luck."""
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -300,6 +302,37 @@ def test_every_replica_of_a_stage_lost_restores_from_its_peer_copy(cluster, tmp_
     assert reshape["restored_from"] == f"copy of step {reshape['step'] - 1} kept by peer workers"
     assert reshape["steps_lost"] in (0, 1)
     assert len([m for m in result["metrics"] if m.get("rerun")]) == reshape["steps_lost"]
+
+
+def test_live_workers_that_stall_for_seconds_when_a_peer_goes_are_kept(cluster, tmp_path):
+    """A loaded machine can leave a live process unscheduled for seconds.  Both replicas of
+    stage 1 are stopped (SIGSTOP) for 3.5 s just as the node of a stage-0 worker goes: they
+    answer no ping, but they are alive, and the job must carry on with their state (no copy
+    taken, no step lost), not take them for lost with the dead one."""
+    import ray
+
+    with_nodes(cluster, 4)
+    spec = elastic_spec("stalled", 2, 2, steps=120)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(10)
+    workers = {a["name"].rsplit(":", 1)[1]: ray.get_actor(a["name"], namespace=a["namespace"])
+               for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"relaytrain:{spec.name}-")}
+    stalled = [ray.get(workers[c].__ray_call__.remote(lambda actor: os.getpid())) for c in ("w0.1", "w1.1")]
+    for pid in stalled:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.0"]))  # graceful: the loss is seen at once
+        time.sleep(3.5)
+    finally:
+        for pid in stalled:
+            os.kill(pid, signal.SIGCONT)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [reshape] = events(result, "reshape")
+    assert reshape["reason"].startswith("lost w0.0 "), reshape["reason"]  # the stalled ones are not in it
+    assert reshape["restored_from"] is None and reshape["steps_lost"] == 0
+    assert reshape["new_shape"] == [1, 3]
 
 
 def test_a_gpt_stage_whose_only_replica_is_lost_comes_back_from_its_peer_copy(cluster, tmp_path):
