@@ -312,7 +312,7 @@ def test_live_workers_that_stall_for_seconds_when_a_peer_goes_are_kept(cluster, 
     import ray
 
     with_nodes(cluster, 4)
-    spec = elastic_spec("stalled", 2, 2, steps=120)
+    spec = elastic_spec("stalled", 2, 2)
     job = Job(spec, tmp_path)
     p = job.wait_step(10)
     workers = {a["name"].rsplit(":", 1)[1]: ray.get_actor(a["name"], namespace=a["namespace"])
