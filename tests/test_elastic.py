@@ -117,6 +117,14 @@ class Job:
             time.sleep(0.1)
         raise AssertionError(f"no scheduler started (error: {self.error})")
 
+    def worker(self, cell: str):
+        """The actor of ``cell`` ("w1.1") in the job's first shape."""
+        import ray
+
+        a = next(a for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["name"].startswith(f"relaytrain:{self.spec.name}-") and a["name"].endswith(f":{cell}"))
+        return ray.get_actor(a["name"], namespace=a["namespace"])
+
     def poll(self):
         import ray
 
@@ -315,9 +323,7 @@ def test_live_workers_that_stall_for_seconds_when_a_peer_goes_are_kept(cluster, 
     spec = elastic_spec("stalled", 2, 2)
     job = Job(spec, tmp_path)
     p = job.wait_step(10)
-    workers = {a["name"].rsplit(":", 1)[1]: ray.get_actor(a["name"], namespace=a["namespace"])
-               for a in ray.util.list_named_actors(all_namespaces=True) if a["name"].startswith(f"relaytrain:{spec.name}-")}
-    stalled = [ray.get(workers[c].__ray_call__.remote(lambda actor: os.getpid())) for c in ("w0.1", "w1.1")]
+    stalled = [ray.get(job.worker(c).__ray_call__.remote(lambda actor: os.getpid())) for c in ("w0.1", "w1.1")]
     for pid in stalled:
         os.kill(pid, signal.SIGSTOP)
     try:
@@ -581,9 +587,7 @@ def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_no
     job = Job(spec, tmp_path)
     p = job.wait_step(6)
     assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
-    victim = next(a for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["name"].startswith(f"relaytrain:{spec.name}-") and a["name"].endswith(":w1.1"))
-    ray.kill(ray.get_actor(victim["name"], namespace=victim["namespace"]))
+    ray.kill(job.worker("w1.1"))
     result = job.finish()
     assert job.error is None, job.error
     check_tp_result(result, spec, tmp_path)
