@@ -94,6 +94,14 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
                             "lower parallelism.tp or resources.cpus_per_worker, or add a larger node")
 
 
+def with_niceness(runtime_env: dict, nice: int) -> dict:
+    """``runtime_env`` with the job's niceness (``resources.nice``) for its processes: the
+    scheduler's, and its workers', which inherit it. Ray renices every worker process it starts
+    to 15 unless ``RAY_worker_niceness`` says otherwise; at 15 any other busy process on the
+    node takes nearly all of a core from a job's workers (README: "The job's processes")."""
+    return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), "RAY_worker_niceness": str(int(nice))}}
+
+
 def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: Optional[dict] = None,
                     detached: bool = False, **kwargs):
     """Create the job's named scheduler actor on the head node; ``kwargs`` go to
@@ -103,7 +111,8 @@ def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}
     return ray.remote(JobScheduler).options(
         name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-        runtime_env=runtime_env or None, **scheduler_placement(), **options,
+        runtime_env=with_niceness(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0)),
+        **scheduler_placement(), **options,
     ).remote(job_id, spec, search, detached=detached, **kwargs)
 
 

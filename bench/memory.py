@@ -140,14 +140,16 @@ def reset_hwm(pid: int) -> bool:
 
 
 def _whoami(actor) -> dict:
-    """Run inside a job's actor through ``__ray_call__``: its pid and, for a worker, its cell."""
+    """Run inside a job's actor through ``__ray_call__``: its pid, its niceness and, for a
+    worker, its cell."""
     import os as _os
 
     cell = getattr(actor, "cell", None)
-    env = _os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    me = {"pid": _os.getpid(), "nice": _os.getpriority(_os.PRIO_PROCESS, 0),
+          "malloc_env": _os.environ.get("MALLOC_MMAP_THRESHOLD_")}
     if cell is None:
-        return {"pid": _os.getpid(), "cell": None, "malloc_env": env}
-    return {"pid": _os.getpid(), "cell": [cell.dp_rank, cell.pp_rank], "layers": list(cell.layers), "malloc_env": env}
+        return {**me, "cell": None}
+    return {**me, "cell": [cell.dp_rank, cell.pp_rank], "layers": list(cell.layers)}
 
 
 def ship_by_value() -> None:

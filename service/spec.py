@@ -239,6 +239,10 @@ class ResourcesSpec(_Strict):
     memory_per_worker_mb: Optional[float] = Field(
         None, gt=0, description="memory a worker may use for its stage (parameters, gradients, optimizer state and "
                                 "activations in flight); the elastic planner only picks shapes that fit")
+    nice: int = Field(
+        0, ge=0, le=19, description="the Unix niceness of the job's scheduler and workers: 0 runs them at the node's "
+                                    "normal priority (Ray's default for its workers, 15, lets any other process on "
+                                    "the node take their CPU); raise it to let other work on the node go first")
 
 
 class ElasticSpec(_Strict):
@@ -336,6 +340,10 @@ class JobSpec(_Strict):
         if self.scheduling.preemptible and not self.checkpoint.every_steps:
             raise ValueError("scheduling.preemptible needs checkpoints: a preempted job resumes from its newest "
                              "checkpoint, so set checkpoint.every_steps (and checkpoint.path), or drop preemptible")
+        env_vars = self.runtime_env.get("env_vars")
+        if isinstance(env_vars, dict) and "RAY_worker_niceness" in env_vars:
+            raise ValueError("runtime_env.env_vars.RAY_worker_niceness: the job's processes take their niceness from "
+                             "resources.nice (0-19, default 0); set that instead")
         e = self.elastic
         if e.enabled and not e.min_workers <= p.dp * p.pipeline_workers <= e.max_workers:
             raise ValueError(

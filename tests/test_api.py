@@ -279,6 +279,10 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
         assert r.status_code == 422 and "not a package you uploaded" in r.json()["detail"]
         r = c.post("/v1/jobs", json=small_spec(optimizer={"name": "lamb"}))
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "optimizer", "name"]
+        r = c.post("/v1/jobs", json=small_spec(runtime_env={"env_vars": {"RAY_worker_niceness": "5"}}))
+        assert r.status_code == 422 and "take their niceness from resources.nice" in r.json()["detail"][0]["msg"]
+        r = c.post("/v1/jobs", json=small_spec(resources={"nice": 20}))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "resources", "nice"]
         r = c.post("/v1/jobs", content=b"x" * (2 << 20), headers={"Content-Type": "application/json"})
         assert r.status_code == 413
         chunks = (b"x" * 65536 for _ in range(40))  # 2.5 MiB streamed without Content-Length

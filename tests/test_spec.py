@@ -33,6 +33,19 @@ def test_valid_spec_defaults():
     assert s.parallelism.dp == 1 and s.parallelism.schedule == "1f1b" and s.microbatches == 4
 
 
+def test_niceness_is_resources_nice_from_0_to_19():
+    assert parse_spec(BASE).resources.nice == 0
+    assert parse_spec(spec_with(resources__nice=19)).resources.nice == 19
+    with pytest.raises(SpecError, match="resources.nice: Input should be less than or equal to 19"):
+        parse_spec(spec_with(resources__nice=20))
+    with pytest.raises(SpecError, match="resources.nice: Input should be greater than or equal to 0"):
+        parse_spec(spec_with(resources__nice=-5))
+    with pytest.raises(SpecError, match=r"runtime_env.env_vars.RAY_worker_niceness: the job's processes take their "
+                                        r"niceness from resources.nice \(0-19, default 0\); set that instead"):
+        parse_spec(spec_with(runtime_env={"env_vars": {"RAY_worker_niceness": "10", "A": "1"}}))
+    assert parse_spec(spec_with(runtime_env={"env_vars": {"A": "1"}})).runtime_env == {"env_vars": {"A": "1"}}
+
+
 def test_batch_not_multiple_of_dp_times_microbatch():
     with pytest.raises(SpecError, match=r"global_batch_size \(32\) must be a multiple of parallelism.dp x "
                                         r"training.microbatch_size \(3 x 8 = 24\)"):

@@ -1,0 +1,42 @@
+"""The job's processes run at the niceness its spec asks (resources.nice), read from the
+processes while the job runs: Ray renices every worker process it starts to 15, where any
+other busy process on the node would take nearly all of a core from the job (README: "The
+job's processes"); tests/test_memory.py checks the default, 0, on a 1 x 4 job."""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+from bench import memory
+from service.spec import parse_spec
+
+
+def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_path):
+    from actors.runner import run_job
+
+    name = f"nice-{uuid.uuid4().hex[:6]}"
+    spec = parse_spec({
+        "name": name, "model": {"kind": "mlp", "args": {"hidden": 16, "layers": 2}}, "data": {"kind": "digits"},
+        "optimizer": {"name": "sgd", "lr": 0.05},
+        "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 400, "seed": 1},
+        "parallelism": {"dp": 1, "pp": 2}, "resources": {"nice": 6},
+    })
+    sampler = memory.Sampler(name, interval=0.05, pss_every=0)
+    sampler.start()
+    done: dict = {}
+    job = threading.Thread(target=lambda: done.update(
+        run_job(spec=spec, out=str(tmp_path), progress=False, record=False)), daemon=True)
+    job.start()
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and job.is_alive():
+            if sampler.scheduler() and len(sampler.workers()) == 2:
+                break
+            time.sleep(0.1)
+        seen = {n: (a["kind"], a["nice"]) for n, a in sampler.actors.items()}
+    finally:
+        job.join(120)
+        sampler.stop()
+    assert done.get("state") == "SUCCEEDED", done
+    assert sorted(seen.values()) == [("scheduler", 6), ("worker", 6), ("worker", 6)], seen
