@@ -208,7 +208,9 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     import boto3
 
     bucket = s3_bucket.removeprefix("s3://")
-    steps = 80
+    # long enough to outlive the outage: with its workers at the driver's priority (resources.nice 0) an 80-step
+    # job finished before the bucket came back
+    steps = 240
     body = spec_dict("fg", steps, f"{s3_bucket}/run", every=2, most=1)
     body["checkpoint"]["max_failures"] = 1000
     spec = parse_spec(body)
