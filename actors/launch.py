@@ -10,7 +10,7 @@ from typing import Any, Optional
 import ray
 
 from service import rayconnect
-from service.names import NAMESPACE, placement_group_name, scheduler_name, tp_group_prefix
+from service.names import NAMESPACE, is_scheduler, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
 
 RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
@@ -122,6 +122,22 @@ def find_scheduler(job_id: str):
         return ray.get_actor(scheduler_name(job_id), namespace=NAMESPACE)
     except ValueError:
         return None
+
+
+def wait_for_job(job_name: str, timeout: float) -> Optional[str]:
+    """The id of the job named ``job_name`` (the name and a suffix ``run_job`` makes up) once
+    its scheduler actor is registered (``find_scheduler`` gives it), or None after ``timeout``
+    seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        for a in ray.util.list_named_actors(all_namespaces=True):
+            if a["namespace"] == NAMESPACE and is_scheduler(a["name"], job_prefix=f"{job_name.lower()}-"):
+                return a["name"].split(":")[1]
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
 
 
 def wait_actors_gone(job_id: str, timeout: float) -> bool:

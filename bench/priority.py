@@ -53,19 +53,6 @@ def job_spec(name: str, hidden: int, nice: int, steps: int):
     })
 
 
-def find_scheduler(prefix: str, deadline: float):
-    import ray
-
-    from service import names
-
-    while time.monotonic() < deadline:
-        for a in ray.util.list_named_actors(all_namespaces=True):
-            if names.is_scheduler(a["name"], job_prefix=prefix):
-                return ray.get_actor(a["name"], namespace=a["namespace"]), a["name"]
-        time.sleep(0.05)
-    return None, None
-
-
 def run_one(busy: int, nice: int, hidden: int, steps: int, cap: float) -> dict:
     import ray
 
@@ -89,7 +76,8 @@ def run_one(busy: int, nice: int, hidden: int, steps: int, cap: float) -> dict:
     try:
         thread.start()
         deadline = t0 + cap
-        sched, sched_name = find_scheduler(f"{name}-", deadline)
+        job_id = launch.wait_for_job(name, cap)
+        sched = launch.find_scheduler(job_id) if job_id else None
         seen: list = []
         while sched is not None and time.monotonic() < deadline and thread.is_alive():
             ref = sched.poll.remote(10**9, 10**9)
@@ -117,7 +105,7 @@ def run_one(busy: int, nice: int, hidden: int, steps: int, cap: float) -> dict:
             out["reached"] = steps
         out["state"] = result.get("state") or result.get("error") or "stopped at the cap"
         if thread.is_alive() and sched is not None:
-            launch.stop(sched, sched_name.split(":")[1], grace=5)
+            launch.stop(sched, job_id, grace=5)
         thread.join(30)
     finally:
         for s in spinners:

@@ -11,6 +11,7 @@ import time
 import pytest
 import torch
 
+from actors import launch
 from actors.runner import JobFailed, run_job
 from service import checkpoint, restarts
 from service.names import NAMESPACE, scheduler_name
@@ -191,15 +192,11 @@ def test_a_job_whose_storage_is_gone_fails_after_max_failures_in_a_row(durable_s
 # ---------------------------------------------------------------- relaytrain run, in the foreground
 
 
-def _find_scheduler(ray_session, name: str, timeout: float = 60):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for a in ray_session.util.list_named_actors(all_namespaces=True):
-            if a["namespace"] == NAMESPACE and a["name"].startswith(f"relaytrain:{name}-") \
-                    and a["name"].endswith(":scheduler"):
-                return ray_session.get_actor(a["name"], namespace=NAMESPACE)
-        time.sleep(0.1)
-    raise TimeoutError(name)
+def _find_scheduler(name: str, timeout: float = 60):
+    job_id = launch.wait_for_job(name, timeout)
+    if job_id is None:
+        raise TimeoutError(name)
+    return launch.find_scheduler(job_id)
 
 
 def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(ray_session, s3_bucket, tmp_path):
@@ -225,7 +222,7 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     def kinds():
         return [json.loads(x)["type"] for x in open(events_file)] if events_file.exists() else []
 
-    sched = _find_scheduler(ray_session, "fg")
+    sched = _find_scheduler("fg")
     until(lambda: "checkpoint" in kinds() and committed() >= 5, what="a checkpoint and 5 steps")
     ray_session.kill(sched)
     until(lambda: "resumed" in kinds(), what="the restarted scheduler resumed")

@@ -17,7 +17,6 @@ import time
 
 import pytest
 
-from service import names
 from actors.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
@@ -107,15 +106,12 @@ class Job:
             self.error = e
 
     def _find_scheduler(self):
-        import ray
+        from actors import launch
 
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            for a in ray.util.list_named_actors(all_namespaces=True):
-                if names.is_scheduler(a["name"], job_prefix=f"{self.spec.name}-"):
-                    return ray.get_actor(a["name"], namespace=a["namespace"])
-            time.sleep(0.1)
-        raise AssertionError(f"no scheduler started (error: {self.error})")
+        job_id = launch.wait_for_job(self.spec.name, 60)
+        if job_id is None:
+            raise AssertionError(f"no scheduler started (error: {self.error})")
+        return launch.find_scheduler(job_id)
 
     def worker(self, cell: str):
         """The actor of ``cell`` ("w1.1") in the job's first shape."""

@@ -144,8 +144,8 @@ def test_a_step_reuses_the_memory_the_step_before_freed(ray_session, tmp_path, c
     and now and then a freed block no longer fits the next step's request, which then comes
     from fresh memory: on 2026-11-26 the first stage of the 25MiB case faulted a fresh 10 MiB
     block (2,560 faults) once or twice in steps 5-14 in half the runs (the 4 MiB case: 832-1,024
-    in one step of some runs), where the runs before
-    saw at most 114 faults a step (README: "What reusing a step's memory changed")."""
+    in one step of some runs), where the runs before saw at most 114 faults a step (README:
+    "What reusing a step's memory changed")."""
     from actors.runner import run_job
 
     model, rows, m = REUSE_CASES[case]
