@@ -94,12 +94,22 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
                             "lower parallelism.tp or resources.cpus_per_worker, or add a larger node")
 
 
-def with_niceness(runtime_env: dict, nice: int) -> dict:
-    """``runtime_env`` with the job's niceness (``resources.nice``) for its processes: the
-    scheduler's, and its workers', which inherit it. Ray renices every worker process it starts
-    to 15 unless ``RAY_worker_niceness`` says otherwise; at 15 any other busy process on the
-    node takes nearly all of a core from a job's workers (README: "The job's processes")."""
-    return {**runtime_env, "env_vars": {**(runtime_env.get("env_vars") or {}), "RAY_worker_niceness": str(int(nice))}}
+# Ray re-checks a blocked ``ray.get`` of an object on another node every this many ms (its
+# default: 1000). About one fetch in three inside a job on a simulated 3-node cluster sat out
+# that whole second (README, "Elasticity"); at 100 ms such a fetch waits 100 ms at most.
+GET_RECHECK_MS = 100
+
+
+def job_process_env(runtime_env: dict, nice: int) -> dict:
+    """``runtime_env`` for the job's processes (its scheduler's, and its workers', which inherit
+    it): the job's niceness (``resources.nice``), and Ray's re-check of a blocked get at
+    ``GET_RECHECK_MS`` unless the job sets ``RAY_get_check_signal_interval_milliseconds``.
+    Ray renices every worker process it starts to 15 unless ``RAY_worker_niceness`` says
+    otherwise; at 15 any other busy process on the node takes nearly all of a core from a job's
+    workers (README: "The job's processes")."""
+    env_vars = {"RAY_get_check_signal_interval_milliseconds": str(GET_RECHECK_MS),
+                **(runtime_env.get("env_vars") or {}), "RAY_worker_niceness": str(int(nice))}
+    return {**runtime_env, "env_vars": env_vars}
 
 
 def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: Optional[dict] = None,
@@ -111,7 +121,7 @@ def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}
     return ray.remote(JobScheduler).options(
         name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-        runtime_env=with_niceness(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0)),
+        runtime_env=job_process_env(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0)),
         **scheduler_placement(), **options,
     ).remote(job_id, spec, search, detached=detached, **kwargs)
 

@@ -4,8 +4,8 @@ the checkpoint a run resumes from, and the final model.  It also says where each
 new shape gets the layers it lacks: a live donor, or the newest copy.
 
 The off-node copy of a stage is kept by a worker on a node that runs no replica of that
-stage (a *peer*, ``StageWorker.keep_copy``: it fetches the stage's committed state itself
-and keeps it in its own memory), so the copy's cost is spread over the workers and none of
+stage (a *peer*, ``StageWorker.keep_copy``: the stage's committed state is that call's
+argument, which Ray moves to the peer's node, and the peer keeps it in its own memory), so the copy's cost is spread over the workers and none of
 it goes through the scheduler.  Only where every node runs a replica of the stage (one
 node, or dp at least the nodes) does the scheduler keep that stage's copy itself.
 
@@ -83,9 +83,11 @@ class StateKeeper:
             source = g.workers[(0, g.shape.slot(g.shape.owner(vs), plane))]
             if holder is None:
                 calls[(lo, hi, plane)] = [(None, source.snapshot.remote(committed, False, (lo, hi)))]
-            else:  # the peer keeps it, and so does the source until a newer copy is complete
+            else:  # the peer keeps it, and so does the source until a newer copy is complete; the
+                # state is the peer's argument (moved to its node before the call runs: StageWorker.keep_copy)
                 h = g.workers[holder]
-                calls[(lo, hi, plane)] = [([h, source], h.keep_copy.remote((lo, hi), source, committed, plane))]
+                state = source.snapshot.remote(committed, True, (lo, hi))
+                calls[(lo, hi, plane)] = [([h, source], h.keep_copy.remote((lo, hi), state, committed, plane))]
 
         def fetch():
             try:

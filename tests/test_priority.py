@@ -1,7 +1,8 @@
 """The job's processes run at the niceness its spec asks (resources.nice), read from the
 processes while the job runs: Ray renices every worker process it starts to 15, where any
 other busy process on the node would take nearly all of a core from the job (README: "The
-job's processes"); tests/test_memory.py checks the default, 0, on a 1 x 4 job."""
+job's processes"); tests/test_memory.py checks the default, 0, on a 1 x 4 job.  They also
+re-check a blocked ``ray.get`` every 100 ms, not Ray's 1 s (actors/launch.py)."""
 from __future__ import annotations
 
 import threading
@@ -35,8 +36,18 @@ def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_pa
                 break
             time.sleep(0.1)
         seen = {n: (a["kind"], a["nice"]) for n, a in sampler.actors.items()}
+        recheck = {n: environ(a["pid"]).get("RAY_get_check_signal_interval_milliseconds")
+                   for n, a in sampler.actors.items()}
     finally:
         job.join(120)
         sampler.stop()
     assert done.get("state") == "SUCCEEDED", done
     assert sorted(seen.values()) == [("scheduler", 6), ("worker", 6), ("worker", 6)], seen
+    assert list(recheck.values()) == ["100"] * 3, recheck
+
+
+def environ(pid: int) -> dict:
+    """The environment process ``pid`` started with, from /proc."""
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
