@@ -32,9 +32,9 @@ The process's peak (VmHWM) over its share is as before (bench/memory.py --quick:
 its resident size no longer falls between steps.  tests/test_memory.py reads the workers' faults
 from /proc: 0-8 in most steps after the fourth, against about 2,000 every step before, for
 2 x 4 MiB of gradients a stage.  Not every step: the heap fragments (likely because Ray's own
-threads allocate from it too; not traced), and now and then a freed block no longer fits the next step's request, which then
-comes from fresh memory (2026-11-26: a 10 MiB block, 2,560 faults, in one or two of ten steps in
-half the runs of the 25 MiB case).  Set
+threads allocate from it too; not traced), and now and then a freed block no longer fits the
+next step's request, which then comes from fresh memory (2026-11-26: a 10 MiB block, 2,560
+faults, in one or two of ten steps in half the runs of the 25 MiB case).  Set
 ``RELAYTRAIN_KEEP_FREED=0`` to leave glibc's thresholds as they are (a worker whose environment
 sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or glibc's malloc tunables keeps
 those: bench/memory.py's tuned runs set a 1 MiB threshold); elsewhere than glibc (musl,
