@@ -17,11 +17,17 @@ costs no more than the whole backward (bench/split_backward.py).  The layer's fo
 gradients are the same operations ``nn.Linear`` runs, so the numbers equal a whole backward's
 up to summation order.
 
+A weight's first gradient of a step is written into the memory of its gradient of the step
+before, where nothing holds that any more (``_new_grad``; actors/heap.py: freed and asked for
+anew each step, those blocks fragmented the heap).
+
 Only the worker's own copies of the layers are touched (an instance attribute ``forward``,
 removed again by ``uninstall``); the user's class and its state dict are unchanged.
 """
 from __future__ import annotations
 
+import sys
+import weakref
 from typing import Optional
 
 import torch
@@ -67,6 +73,38 @@ def _accumulate(p: nn.Parameter, value: torch.Tensor) -> None:
         p.grad.add_(value)
 
 
+# each weight's gradient of the step before, kept after ``zero_grad(set_to_none=True)`` let go
+# of it: the next step's first product is written into it (actors/heap.py: a gradient freed and
+# allocated anew every step fragmented the heap, and the heap grew into fresh pages)
+# (by the weight's id: a tensor is no dictionary key; dropped when the weight is)
+_spare: dict = {}
+
+
+def _keep(w: torch.Tensor, grad: torch.Tensor) -> None:
+    key = id(w)
+    _spare[key] = (weakref.ref(w, lambda _, key=key: _spare.pop(key, None)), grad)
+
+
+def _new_grad(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` as ``w``'s new gradient: in the memory of its gradient of the step before
+    where nothing holds that any more (no ``.grad``, no view, no gradient bucket, no reference
+    kept by the user's code), else in new memory."""
+    ref, spare = _spare.pop(id(w), (None, None))
+    try:  # Python's references (here: ``spare`` and the call's argument), then torch's
+        unheld = (spare is not None and sys.getrefcount(spare) == 2 and spare._use_count() == 1
+                  and torch._C._storage_Use_Count(spare.untyped_storage()._cdata) == 2)
+    except (AttributeError, RuntimeError):  # private: a torch without them allocates anew
+        unheld = False
+    if (unheld and ref() is w and spare.shape == (a.shape[0], b.shape[1]) and spare.dtype == a.dtype
+            and spare.device == a.device):
+        out = torch.mm(a, b, out=spare)
+    else:
+        del spare
+        out = a.mm(b)
+    _keep(w, out)
+    return out
+
+
 @torch.no_grad()
 def weight_grads(pending: list) -> None:
     """W: each Linear's weight (and bias) gradient from its (input, grad_out) pairs."""
@@ -76,7 +114,7 @@ def weight_grads(pending: list) -> None:
         if w.requires_grad:
             x2 = x.reshape(-1, x.shape[-1])
             if w.grad is None:
-                w.grad = g2.t().mm(x2)
+                w.grad = _new_grad(w, g2.t(), x2)
             else:  # one product into the gradient, no temporary the size of the weight
                 w.grad.addmm_(g2.t(), x2)
         if module.bias is not None and module.bias.requires_grad:

@@ -28,17 +28,35 @@ Three things gave the memory back:
   heap, they fragmented it, and the head stage's peak grew from 1.68 to 2.17 GiB
   (bench/memory.py --quick).
 
+Kept, the freed memory still fragmented: in a stage of 2 x 4 MiB weight gradients the heap
+grew by 1-4 MiB in 2-4 of steps 5-14, and by 32 MiB between steps 1 and 51 (then no more); each
+growth was faulted in fresh (256-1,024 faults in that step) though 10-20 MiB lay free
+in 500-1,100 pieces.  A shim around malloc (LD_PRELOAD, run 2026-11-26) showed what asked for
+the memory when the heap grew: the first product of each weight gradient (4 MiB, the step
+thread), and 1 MiB blocks of Ray's task execution (its call threads).  Two things keep the
+pieces whole:
+
+- A weight's gradient is written into the memory of its gradient of the step before
+  (actors/deferred.py, the Linear layers whose weight gradients the engine computes itself),
+  where nothing holds that any more: no 4 MiB block is freed and asked for again each step.
+- ``runtime_env`` turns off glibc's per-thread caches of small blocks (``NO_TCACHE``): each of
+  a worker's dozens of threads kept up to 7 freed blocks of each size up to 1 KiB, scattered
+  over the heap and counted as in use, so the free space around them never merged (with the
+  caches off alone, the 1 MiB growths stopped in 3 runs and the 4 MiB ones went on).
+
+With both, the first stage's heap grew 2.3 MiB between steps 11 and 150 (10 MiB before), and
+in 14 runs of both cases of tests/test_memory.py no worker's step 5-14 took more than 194 faults
+(before: 4 of 10 steps of 256-1,027 in some runs).  Turning the caches off cost no measurable
+time: a one-process MLP step (1024 x 8, 8 microbatches of 64) took 390-403 ms with them off,
+393-413 ms with them on; the same model in two stages, 60 steps run 4 times each way in turn,
+242-287 ms off and 239-271 ms on (medians of each run).
+
 The process's peak (VmHWM) over its share is as before (bench/memory.py --quick: 1.06-1.26x);
-its resident size no longer falls between steps.  tests/test_memory.py reads the workers' faults
-from /proc: 0-8 in most steps after the fourth, against about 2,000 every step before, for
-2 x 4 MiB of gradients a stage.  Not every step: the heap fragments (likely because Ray's own
-threads allocate from it too; not traced), and now and then a freed block no longer fits the
-next step's request, which then comes from fresh memory (2026-11-26: a 10 MiB block, 2,560
-faults, in one or two of ten steps in half the runs of the 25 MiB case).  Set
-``RELAYTRAIN_KEEP_FREED=0`` to leave glibc's thresholds as they are (a worker whose environment
-sets ``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or glibc's malloc tunables keeps
-those: bench/memory.py's tuned runs set a 1 MiB threshold); elsewhere than glibc (musl,
-macOS) none of this does anything.
+its resident size no longer falls between steps.  Set ``RELAYTRAIN_KEEP_FREED=0`` to leave
+glibc's thresholds and caches as they are (a worker whose environment sets
+``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_`` or a threshold tunable keeps those:
+bench/memory.py's tuned runs set a 1 MiB threshold; a job that sets ``GLIBC_TUNABLES`` keeps its
+own); elsewhere than glibc (musl, macOS) none of this does anything.
 """
 from __future__ import annotations
 
@@ -59,12 +77,23 @@ KEEP_UP_TO = 32 << 20      # blocks below 32 MiB come from the heap (above: mapp
 NEVER_TRIM = 2**31 - 1     # mallopt takes an int
 
 
+NO_TCACHE = "glibc.malloc.tcache_count=0"
+
+
 def runtime_env(job_env: dict) -> dict:
     """The worker actors' own ``runtime_env`` option (Ray merges it into the job's): one malloc
-    arena, unless the job's runtime_env sets its own ``MALLOC_ARENA_MAX``."""
-    if "MALLOC_ARENA_MAX" in (job_env.get("env_vars") or {}):
-        return {}
-    return {"runtime_env": {"env_vars": {"MALLOC_ARENA_MAX": "1"}}}
+    arena, unless the job's runtime_env sets its own ``MALLOC_ARENA_MAX``; no per-thread caches
+    of small blocks (``NO_TCACHE``), unless it sets ``GLIBC_TUNABLES`` or turns all of this off
+    (``RELAYTRAIN_KEEP_FREED=0``)."""
+    env = job_env.get("env_vars") or {}
+    ours = {}
+    if "MALLOC_ARENA_MAX" not in env:
+        ours["MALLOC_ARENA_MAX"] = "1"
+    if "GLIBC_TUNABLES" not in env and env.get("RELAYTRAIN_KEEP_FREED", os.environ.get("RELAYTRAIN_KEEP_FREED")) != "0":
+        inherited = os.environ.get("GLIBC_TUNABLES")  # the job's processes share one environment
+        ours["GLIBC_TUNABLES"] = f"{inherited}:{NO_TCACHE}" if inherited and "tcache_count" not in inherited \
+            else inherited or NO_TCACHE
+    return {"runtime_env": {"env_vars": ours}} if ours else {}
 
 
 def keep_freed() -> str:
@@ -72,7 +101,7 @@ def keep_freed() -> str:
     if os.environ.get("RELAYTRAIN_KEEP_FREED", "1") == "0":
         return "off (RELAYTRAIN_KEEP_FREED=0)"
     chosen = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
-    if chosen or "glibc.malloc." in os.environ.get("GLIBC_TUNABLES", ""):
+    if chosen or "_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return f"left as the environment sets it ({', '.join(chosen) or 'GLIBC_TUNABLES'})"
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -119,6 +119,36 @@ def test_a_backward_outside_a_step_still_computes_the_weight_gradients():
         torch.testing.assert_close(split(x), model(x))
 
 
+def test_a_steps_first_weight_gradient_is_written_where_the_step_befores_was_unless_it_is_held():
+    """zero_grad(set_to_none=True) lets go of the gradient; the next step's product goes into
+    that memory (no block freed and asked for again: actors/heap.py), with the numbers of a
+    plain backward.  A gradient the user's code still holds is left as it was."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    split = copy.deepcopy(model)
+    deferred.install(split, deferred.Pending())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt_split = torch.optim.SGD(split.parameters(), lr=0.1, momentum=0.9)
+    where, held = [], []
+    for step in range(4):
+        x = torch.randn(5, 64)
+        for m, o in ((model, opt), (split, opt_split)):
+            o.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+        for a, b in zip(model.parameters(), split.parameters()):
+            torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7)
+        where.append(split[0].weight.grad.data_ptr())
+        if step == 2:  # the user keeps this step's gradient
+            held = [split[0].weight.grad, split[0].weight.grad.clone()]
+        opt.step()
+        opt_split.step()
+    assert where[1] == where[0] and where[2] == where[0], where
+    assert where[3] != where[2]  # step 3 found step 2's gradient held: new memory
+    torch.testing.assert_close(held[0], held[1], rtol=0, atol=0)  # and did not write into it
+    for a, b in zip(model.parameters(), split.parameters()):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
 def test_recomputed_layers_under_activation_checkpointing_equal_a_plain_backward():
     """Every schedule now lets plain Linears compute their own weight gradients (1F1B and GPipe
     right after the input gradient is sent), also under ``training.checkpointing``, where the

@@ -2,7 +2,8 @@
 processes while the job runs: Ray renices every worker process it starts to 15, where any
 other busy process on the node would take nearly all of a core from the job (README: "The
 job's processes"); tests/test_memory.py checks the default, 0, on a 1 x 4 job.  They also
-re-check a blocked ``ray.get`` every 100 ms, not Ray's 1 s (actors/launch.py)."""
+re-check a blocked ``ray.get`` every 100 ms, not Ray's 1 s (actors/launch.py), and the workers
+run with one malloc arena and no per-thread caches of small blocks (actors/heap.py)."""
 from __future__ import annotations
 
 import threading
@@ -36,14 +37,18 @@ def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_pa
                 break
             time.sleep(0.1)
         seen = {n: (a["kind"], a["nice"]) for n, a in sampler.actors.items()}
-        recheck = {n: environ(a["pid"]).get("RAY_get_check_signal_interval_milliseconds")
-                   for n, a in sampler.actors.items()}
+        envs = {n: environ(a["pid"]) for n, a in sampler.actors.items()}
     finally:
         job.join(120)
         sampler.stop()
     assert done.get("state") == "SUCCEEDED", done
     assert sorted(seen.values()) == [("scheduler", 6), ("worker", 6), ("worker", 6)], seen
+    recheck = {n: e.get("RAY_get_check_signal_interval_milliseconds") for n, e in envs.items()}
     assert list(recheck.values()) == ["100"] * 3, recheck
+    # and the workers' malloc: one arena, no per-thread caches of small blocks (actors/heap.py)
+    heaps = {n: (e.get("MALLOC_ARENA_MAX"), e.get("GLIBC_TUNABLES")) for n, e in envs.items()
+             if seen[n][0] == "worker"}
+    assert list(heaps.values()) == [("1", "glibc.malloc.tcache_count=0")] * 2, heaps
 
 
 def environ(pid: int) -> dict:
