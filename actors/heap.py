@@ -91,8 +91,12 @@ def runtime_env(job_env: dict) -> dict:
         ours["MALLOC_ARENA_MAX"] = "1"
     if "GLIBC_TUNABLES" not in env and env.get("RELAYTRAIN_KEEP_FREED", os.environ.get("RELAYTRAIN_KEEP_FREED")) != "0":
         inherited = os.environ.get("GLIBC_TUNABLES")  # the job's processes share one environment
-        ours["GLIBC_TUNABLES"] = f"{inherited}:{NO_TCACHE}" if inherited and "tcache_count" not in inherited \
-            else inherited or NO_TCACHE
+        if not inherited:
+            ours["GLIBC_TUNABLES"] = NO_TCACHE
+        elif "tcache_count" in inherited:  # it chose its own
+            ours["GLIBC_TUNABLES"] = inherited
+        else:
+            ours["GLIBC_TUNABLES"] = f"{inherited}:{NO_TCACHE}"
     return {"runtime_env": {"env_vars": ours}} if ours else {}
 
 

@@ -3,7 +3,7 @@
     .venv/bin/python bench/heap_growth.py [--case 4MiB|25MiB] [--steps 30] [--runs 2]
                                           [--tunables glibc.malloc.tcache_count=3] [--every 1]
 
-Runs tests/test_memory.py's job (a 1x2 MLP, 1F1B over gloo, SGD with momentum; ``4MiB``: width
+Runs tests/test_memory.py's job (bench/memory.py's ``reuse_spec``: a 1x2 MLP, 1F1B over gloo, SGD with momentum; ``4MiB``: width
 1024, 4 layers, 4 microbatches of 64 rows, so 2 x 4 MiB of weight gradients a stage and 1 MiB of
 inputs a step; ``25MiB``: width 2560, a 10 MiB and a 25 MiB gradient) and samples each worker
 every 20 ms from outside and inside:
@@ -37,12 +37,7 @@ else:
 import ray  # noqa: E402
 
 from bench import memory  # noqa: E402
-from service.spec import parse_spec  # noqa: E402
 
-CASES = {  # as tests/test_memory.py's REUSE_CASES: model, rows a microbatch, microbatches
-    "4MiB": ({"in_features": 1024, "hidden": 1024, "layers": 4, "out_features": 10}, 64, 4),
-    "25MiB": ({"in_features": 1024, "hidden": 2560, "layers": 2, "out_features": 10}, 16, 2),
-}
 FIELDS = ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")
 
 
@@ -120,18 +115,9 @@ class Sampler(memory.Sampler):
 def run(case: str, steps: int, every: int, tunables: str | None) -> None:
     from actors.runner import run_job
 
-    model, rows, m = CASES[case]
     name = f"heap-{uuid.uuid4().hex[:6]}"
-    spec = parse_spec({
-        "name": name, "model": {"kind": "mlp", "args": model},
-        "data": {"kind": "regression", "args": {"n": 256, "in_features": model["in_features"], "out_features": 10}},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "training": {"global_batch_size": rows * m, "microbatch_size": rows, "steps": steps, "seed": 0},
-        "parallelism": {"dp": 1, "pp": 2, "schedule": "1f1b", "transport": "collective"},
-        "checkpoint": {"every_steps": 0},
-        # a job's own GLIBC_TUNABLES replaces actors/heap.py's (runtime_env)
-        "runtime_env": {"env_vars": {"GLIBC_TUNABLES": tunables}} if tunables is not None else {},
-    })
+    # a job's own GLIBC_TUNABLES replaces actors/heap.py's (runtime_env)
+    spec = memory.reuse_spec(case, name, steps, {"env_vars": {"GLIBC_TUNABLES": tunables}} if tunables is not None else None)
     sampler = Sampler(name, interval=0.02, pss_every=0)
     sampler.start()
     try:
@@ -165,7 +151,7 @@ def run(case: str, steps: int, every: int, tunables: str | None) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--case", choices=sorted(CASES), default="4MiB")
+    ap.add_argument("--case", choices=sorted(memory.REUSE_CASES), default="4MiB")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--every", type=int, default=1)

@@ -88,6 +88,34 @@ def proc_faults(pid: int) -> int | None:
     return int(text[text.rindex(")") + 2:].split()[7])  # fields from 3 on, after "(comm)"
 
 
+# A 1x2 MLP job whose steps free and ask for the same blocks (tests/test_memory.py's page-fault
+# test, bench/heap_growth.py): the model's args, rows a microbatch, microbatches.
+REUSE_CASES = {
+    # 2 x 4 MiB of weight gradients a stage: glibc's own threshold would keep them, on one thread
+    "4MiB": ({"in_features": 1024, "hidden": 1024, "layers": 4, "out_features": 10}, 64, 4),
+    # a 10 MiB and a 25 MiB weight gradient, near the top of what the heap keeps (32 MiB): on a
+    # thread's own arena (64 MiB heaps, unmapped when they empty) they were faulted in again
+    "25MiB": ({"in_features": 1024, "hidden": 2560, "layers": 2, "out_features": 10}, 16, 2),
+}
+
+
+def reuse_spec(case: str, name: str, steps: int, runtime_env: dict | None = None):
+    """The job of ``REUSE_CASES[case]``: 1F1B over gloo, SGD with momentum, no checkpoints."""
+    from service.spec import parse_spec
+
+    model, rows, m = REUSE_CASES[case]
+    return parse_spec({
+        "name": name,
+        "model": {"kind": "mlp", "args": model},
+        "data": {"kind": "regression", "args": {"n": 256, "in_features": model["in_features"], "out_features": 10}},
+        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
+        "training": {"global_batch_size": rows * m, "microbatch_size": rows, "steps": steps, "seed": 0},
+        "parallelism": {"dp": 1, "pp": 2, "schedule": "1f1b", "transport": "collective"},
+        "checkpoint": {"every_steps": 0},
+        "runtime_env": runtime_env or {},
+    })
+
+
 def proc_pss(pid: int) -> int | None:
     """Proportional set size (shared pages divided among their users): sums to the real footprint."""
     try:

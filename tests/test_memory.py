@@ -124,16 +124,7 @@ def test_each_process_holds_only_its_share(ray_session, tmp_path, monkeypatch):
     assert SCHEDULER_SLACK < layers[1]["param_bytes"] / 3
 
 
-REUSE_CASES = {
-    # 2 x 4 MiB of weight gradients a stage: glibc's own threshold would keep them, on one thread
-    "4MiB": ({"in_features": 1024, "hidden": 1024, "layers": 4, "out_features": 10}, 64, 4),
-    # a 10 MiB and a 25 MiB weight gradient, near the top of what the heap keeps (32 MiB): on a
-    # thread's own arena (64 MiB heaps, unmapped when they empty) they were faulted in again
-    "25MiB": ({"in_features": 1024, "hidden": 2560, "layers": 2, "out_features": 10}, 16, 2),
-}
-
-
-@pytest.mark.parametrize("case", sorted(REUSE_CASES))
+@pytest.mark.parametrize("case", sorted(memory.REUSE_CASES))
 def test_a_step_reuses_the_memory_the_step_before_freed(ray_session, tmp_path, case):
     """Each step frees its weight gradients (set to None, as a hand-written loop does) and its
     activations, and the next asks for the same sizes: a worker that gets them back from the
@@ -148,18 +139,9 @@ def test_a_step_reuses_the_memory_the_step_before_freed(ray_session, tmp_path, c
     changed")."""
     from actors.runner import run_job
 
-    model, rows, m = REUSE_CASES[case]
     name = f"faults-{uuid.uuid4().hex[:6]}"
     steps, settle = 14, 4
-    spec = parse_spec({
-        "name": name,
-        "model": {"kind": "mlp", "args": model},
-        "data": {"kind": "regression", "args": {"n": 256, "in_features": model["in_features"], "out_features": 10}},
-        "loss": "mse", "optimizer": {"name": "sgd", "lr": 0.01, "momentum": 0.9},
-        "training": {"global_batch_size": rows * m, "microbatch_size": rows, "steps": steps, "seed": 0},
-        "parallelism": {"dp": 1, "pp": 2, "schedule": "1f1b", "transport": "collective"},
-        "checkpoint": {"every_steps": 0},
-    })
+    spec = memory.reuse_spec(case, name, steps)
     sampler = memory.Sampler(name, interval=0.02, pss_every=0)
     sampler.start()
     try:
