@@ -30,6 +30,18 @@ def restart_session_ray():
     return ray
 
 
+# A crashed node's raylet refuses the GCS's health checks at once; by default the GCS marks it
+# dead after 5 failed checks 3 s apart (about 15 s, what a real cluster does), and each test after
+# a crash waited that long for its nodes.  The simulated cluster checks every second: a crashed
+# node is marked dead about 5 s after it went.  That is still after a reshape has placed the job's
+# new workers (measured in test_node_lost_mid_run_reshapes_and_equals_plain_pytorch: the loss seen
+# 0.55 s after the crash, the new shape's first step committed at 1.13 s, the node marked dead at
+# 4.34 s; a loss that surfaces as ActorUnavailableError takes 1.5-3.5 s), so the reshape still
+# places while Ray lists the lost node alive, as on a real cluster (actors/reshape.py, "suspect"
+# nodes); a live node answers within the default 10 s timeout as before.
+FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
+
+
 def simulated_cluster(nodes: int = 0):
     """A generator for a module's fixture: a ray.cluster_utils.Cluster (a head with no CPUs and
     ``nodes`` 1-CPU nodes) in place of the session's local Ray, which comes back after."""
@@ -39,7 +51,7 @@ def simulated_cluster(nodes: int = 0):
     was_up = ray.is_initialized()
     if was_up:
         ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
     for _ in range(nodes):
         c.add_node(num_cpus=1)
     c.wait_for_nodes()

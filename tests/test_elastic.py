@@ -78,7 +78,7 @@ def with_nodes(cluster, n):
         workers.append(cluster.add_node(num_cpus=1))
     for node in workers[n:]:
         cluster.remove_node(node)
-    deadline = time.monotonic() + 40  # a crashed node is marked dead ~15 s after it went
+    deadline = time.monotonic() + 40  # a crashed node is marked dead ~5 s after it went (conftest.FAST_NODE_DEATH)
     while sum(1 for x in ray.nodes() if x["Alive"]) != n + 1 and time.monotonic() < deadline:
         time.sleep(0.5)
     cluster.wait_for_nodes()
