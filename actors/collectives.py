@@ -134,6 +134,22 @@ class Group:
         gc.freeze()
 
 
+def grad_view(flat, p):
+    """``p``'s gradient inside ``flat`` (a slice of ``p.numel()`` elements), laid out as ``p``
+    is: a ``channels_last`` weight gets a ``channels_last`` gradient.  torch's fused optimizers
+    (relaytrain's default) step a weight and its gradient element by element in memory order,
+    so a gradient in another layout than its weight's updated the wrong elements (measured:
+    fused SGD 0.35 off a step)."""
+    if p.is_contiguous():
+        return flat.view_as(p)
+    need = 1
+    for d in sorted(range(p.dim()), key=p.stride):
+        if p.size(d) != 1 and p.stride(d) != need:  # not dense (overlapping or with gaps): keep torch's order
+            return flat.view_as(p)
+        need *= p.size(d)
+    return flat.as_strided(p.size(), p.stride())
+
+
 class GradBuckets:
     """The data-parallel gradient all-reduce (SUM) of one stage, in buckets whose flat
     buffers the gradients accumulate into directly (DDP's ``gradient_as_bucket_view``): no
@@ -170,7 +186,7 @@ class GradBuckets:
         for flat, b in zip(self.flats, self.buckets):
             off, views = 0, []
             for p in b:
-                views.append(flat[off:off + p.numel()].view_as(p))
+                views.append(grad_view(flat[off:off + p.numel()], p))
                 off += p.numel()
             self.views.append(views)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
@@ -264,7 +280,7 @@ class SharedMemorySum:
         self.own = torch.from_file(path, shared=True, size=world * n, dtype=dtype)[rank * n:(rank + 1) * n]
         self.views, off = [], 0
         for p in params:
-            self.views.append(self.own[off:off + p.numel()].view_as(p))
+            self.views.append(grad_view(self.own[off:off + p.numel()], p))
             off += p.numel()
         self.esize = params[0].element_size()
         per = -(-n // world)

@@ -105,10 +105,10 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
     cause = _cause(err)
     where = f" at step {step + 1}" if step is not None else f" {phase}"
     if isinstance(err, ray.exceptions.RayTaskError):
-        what = f"raised {type(cause).__name__}: {_first_line(cause)}"
+        what = f"raised {type(cause).__name__}: {_message(cause)}"
         inner = cause.__cause__
-        if inner is not None and _first_line(inner):  # a wrapper's words say little (torch's stage backward)
-            what += f" (from {type(inner).__name__}: {_first_line(inner)})"
+        if inner is not None and _message(inner):  # a wrapper's words say little (torch's stage backward)
+            what += f" (from {type(inner).__name__}: {_message(inner)})"
         if isinstance(cause, ray.exceptions.RayTaskError) or type(cause).__name__.startswith("RayTaskError"):
             what = str(err).strip().splitlines()[-1]
     elif isinstance(err, ray.exceptions.ActorDiedError) and "__init__" in str(err):
@@ -121,8 +121,11 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
     return JobFailure(f"worker {name}{where} {what}", detail=traceback_text(name, err))
 
 
-def _first_line(e: BaseException) -> str:
-    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+def _message(e: BaseException, limit: int = 2000) -> str:
+    """The exception's whole message, as its author wrote it (a second line often says what to
+    do), without trailing spaces or blank lines; cut at ``limit`` characters."""
+    text = "\n".join(ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip())
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters in the detail)"
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")

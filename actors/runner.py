@@ -75,7 +75,10 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     resume_path = None
     if resume is not None:
         try:
-            resume_path = str(checkpoint.resolve(resume or spec.checkpoint.path))
+            found = checkpoint.resolve(resume or spec.checkpoint.path)
+            # a local path is where this command runs: the scheduler may run in the spec's
+            # uploaded folder (user code), where a relative one would name nothing
+            resume_path = str(found.resolve()) if isinstance(found, Path) else found
         except FileNotFoundError as e:
             raise SpecError(f"--resume: {e}") from None
 

@@ -66,7 +66,7 @@ from actors.globalnorm import Lockstep
 from service import replicas as replicas_
 from service import schedules
 from service.loading import forward_seed
-from service.tracing import norms_of
+from service.tracing import changes_input_in_place, norms_of
 from relaytrain import skip
 
 
@@ -521,6 +521,8 @@ class StepRunner:
         ``forward_seed(seed, step + 1, g, layer)`` (a recomputation in backward, with
         checkpointing, restores that state and draws the same masks)."""
         h, lo = inp, self.parts_range(vs)[0]
+        if inp.requires_grad and inp.is_leaf and len(self.parts[vs]) and changes_input_in_place(self.parts[vs][0]):
+            h = inp.clone()  # ReLU(inplace=True) first: the received leaf keeps its values for its gradient
         cuda = self.recipe.device.type == "cuda"
         for i, layer in enumerate(self.parts[vs]):
             s = forward_seed(self.recipe.seed, step + 1, g, lo + i)

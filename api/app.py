@@ -1,11 +1,16 @@
 """The FastAPI application: routes, auth, limits, telemetry."""
 from __future__ import annotations
 
+import json
+import math
 import time
 from contextlib import asynccontextmanager
 from typing import Optional
 
+import yaml
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
@@ -76,6 +81,64 @@ class BodyLimit:
         await self.app(scope, limited_receive, send)
 
 
+def json_safe(value):
+    """``value`` with every non-finite float written as its text ("nan", "inf")."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+class SpecBody:
+    """ASGI middleware for POST /v1/jobs: the spec comes as JSON, or as YAML (what a spec file
+    holds; Content-Type application/yaml), passed on as JSON; any other body is a 415 saying
+    how to send it (``curl -d`` sends form data unless told otherwise)."""
+
+    YAML = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/jobs":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
+        if not ctype or ctype == "application/json" or ctype.endswith("+json"):
+            return await self.app(scope, receive, send)
+        if ctype not in self.YAML:
+            return await JSONResponse(
+                {"detail": f"POST /v1/jobs takes the job spec as JSON (Content-Type: application/json) or YAML "
+                           f"(Content-Type: application/yaml), not {ctype}; e.g. curl -H 'Content-Type: "
+                           "application/yaml' --data-binary @spec.yaml"}, status_code=415)(scope, receive, send)
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body += message.get("body", b"")
+            more = message.get("more_body", False)
+        try:
+            data = yaml.safe_load(body.decode("utf-8"))
+            text = json.dumps(data).encode()
+        except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError) as e:
+            return await JSONResponse({"detail": f"the body is not a YAML job spec: {e}"},
+                                      status_code=400)(scope, receive, send)
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
+                     + [(b"content-type", b"application/json"), (b"content-length", str(len(text)).encode())])
+        sent = False
+
+        async def as_json():
+            nonlocal sent
+            if sent:
+                return await receive()
+            sent = True
+            return {"type": "http.request", "body": text, "more_body": False}
+
+        await self.app(scope, as_json, send)
+
+
 def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) -> FastAPI:
     settings = settings or Settings()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -101,6 +164,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     def body_limit(path: str) -> int:
         return settings.max_package_bytes if path.startswith("/v1/packages") else settings.max_body_bytes
 
+    app.add_middleware(SpecBody)  # inside BodyLimit: a YAML body is read only within the limit
     app.add_middleware(BodyLimit, limit_for=body_limit)
 
     @app.middleware("http")
@@ -108,20 +172,29 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
         t0 = time.perf_counter()
         length = request.headers.get("content-length")
         limit = body_limit(request.url.path)
-        if length is not None and (not length.isdigit() or int(length) > limit):
-            response = JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, status_code=413)
-        else:
-            response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        tel = request.app.state.telemetry
-        tel.requests.labels(request.method, path, str(response.status_code)).inc()
-        tel.latency.labels(request.method, path).observe(time.perf_counter() - t0)
-        return response
+        status = 500  # what the client gets when the route raises (counted too, then raised on)
+        try:
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                response = JSONResponse({"detail": f"request body over the limit of {limit} bytes"}, status_code=413)
+            else:
+                response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            path = getattr(request.scope.get("route"), "path", "unmatched")
+            tel = request.app.state.telemetry
+            tel.requests.labels(request.method, path, str(status)).inc()
+            tel.latency.labels(request.method, path).observe(time.perf_counter() - t0)
 
     @app.exception_handler(JobError)
     async def job_error(_request: Request, exc: JobError):
         return JSONResponse({"detail": exc.message}, status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_request(_request: Request, exc: RequestValidationError):
+        """FastAPI's 422, whatever the body held: a NaN or an infinity it echoes is written as
+        text (JSON has no such numbers, and writing one would turn the 422 into a 500)."""
+        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
 
     app.include_router(health.router)
     app.include_router(jobs.router)

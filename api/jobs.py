@@ -55,6 +55,9 @@ class JobManager:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._starting: set[str] = set()  # jobs whose scheduler actor is being created
+        # the per-tenant limit is checked and the job inserted under one lock, so concurrent
+        # submits cannot overrun it (one API process; the Kubernetes deployment runs one replica)
+        self._admission = threading.Lock()
 
     # ---------------------------------------------------------------- Ray
 
@@ -91,11 +94,21 @@ class JobManager:
 
     # ---------------------------------------------------------------- submit
 
+    def _retry_of(self, tenant: str, key: Optional[str], spec: dict) -> Optional[dict]:
+        """The job an Idempotency-Key was first used for, when this request is a retry of it
+        (None for a new key); the key with a different spec is a 409, not a silent answer
+        about another job."""
+        job = self.store.find_by_idempotency_key(tenant, key) if key else None
+        if job is not None and job["spec"] != spec:
+            raise Conflict(f"Idempotency-Key {key!r} was already used for job {job['id']} with a different spec; "
+                           "a retry must send the same spec: use a new key for a new job")
+        return job
+
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
-        if idempotency_key:
-            existing = self.store.find_by_idempotency_key(tenant, idempotency_key)
-            if existing is not None:
-                return self.get(tenant, existing["id"]), False
+        body = spec.model_dump(mode="json")
+        earlier = self._retry_of(tenant, idempotency_key, body)
+        if earlier is not None:
+            return self.get(tenant, earlier["id"]), False
         env = dict(spec.runtime_env)
         wd = env.get("working_dir")
         if wd is not None:
@@ -103,7 +116,16 @@ class JobManager:
             if not m or not self.store.has_package(m.group(1), tenant):
                 raise Invalid(f"runtime_env.working_dir {wd!r} is not a package you uploaded: upload your code "
                               "with POST /v1/packages (relaytrain submit does) and use the uri it returns")
-        elif spec.uses_imports and "py_modules" not in env:
+        mods = env.get("py_modules") or []
+        if not isinstance(mods, list):
+            raise Invalid(f"runtime_env.py_modules must be a list of URIs, not a {type(mods).__name__}")
+        local = [m for m in mods if not (isinstance(m, str) and "://" in m)]
+        if local:
+            raise Invalid(f"runtime_env.py_modules entry {local[0]!r} is not a URI the cluster can fetch (a local "
+                          "path is on your machine, not the server's): upload your code with POST /v1/packages and "
+                          "set runtime_env.working_dir to the uri it returns (relaytrain submit does both), or give "
+                          "py_modules URIs (s3://..., https://....zip)")
+        if wd is None and spec.uses_imports and "py_modules" not in env:
             raise Invalid("the spec imports user code (model.builder, data.builder or loss.builder) but names no "
                           "runtime_env.working_dir: upload the code with POST /v1/packages and set "
                           "runtime_env.working_dir to the uri it returns (relaytrain submit does both)")
@@ -119,12 +141,15 @@ class JobManager:
                 restarts.check_storage(path)
         except SpecError as e:
             raise Invalid(str(e)) from None
-        if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
-            raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
-                          "the limit; wait for one to end or cancel one")
-        job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
-        job, created = self.store.create_job(job_id, tenant, spec.model_dump(mode="json"), idempotency_key,
-                                             state=JobState.QUEUED)
+        with self._admission:
+            earlier = self._retry_of(tenant, idempotency_key, body)  # a retry may have raced this one in
+            if earlier is not None:
+                return self.get(tenant, earlier["id"]), False
+            if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
+                raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
+                              "the limit; wait for one to end or cancel one")
+            job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
+            job, created = self.store.create_job(job_id, tenant, body, idempotency_key, state=JobState.QUEUED)
         if created:
             self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
             self.cluster.tick(fresh=job_id)  # admitted now if it fits, else queued saying why
@@ -220,17 +245,22 @@ class JobManager:
         # first on record: a job whose scheduler is lost while it stops is never restarted
         self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
         actor = launch.find_scheduler(job_id)
-        if actor is not None:
+        # a scheduler still starting (importing, or waiting for a CPU) has placed nothing yet:
+        # the job goes now, rather than after its scheduler came up only to stop (5-10 s)
+        starting = actor is not None and not ray.wait([actor.__ray_ready__.remote()], timeout=0.5)[0]
+        if actor is not None and not starting:
             try:
                 ray.get(actor.cancel.remote(), timeout=5)
             except Exception:
                 actor = None
-        if actor is None:
-            launch.release_placement_group(job_id)
+        if actor is None or starting:
             queued = job["state"] == JobState.QUEUED.value
             if self.store.set_state(job_id, JobState.CANCELLED):
                 self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled while queued" if queued
                                                 else "job cancelled before it ran"}])
+            if starting:  # after the state: its start's watcher finds the job ended, not failed
+                ray.kill(actor, no_restart=True)
+            launch.release_placement_group(job_id)
             return self.get(tenant, job_id)
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:

@@ -6,12 +6,15 @@ live in validators whose messages say what to change.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any, ClassVar, Literal, Optional, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 IMPORT_PATH_RE = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_][\w]*$")
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -24,8 +27,34 @@ MODEL_KINDS = ("mlp", "cnn", "regression_mlp", "char_transformer", "gpt")
 DATA_KINDS = ("digits", "digits_images", "regression", "chars", "tokens")
 
 
+INT64_MAX = 2**63 - 1  # the job store keeps steps and seeds as 64-bit integers, as torch's seeds are
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields are refused (a typo is not ignored); whole numbers and switches must be
+    given as such (``steps: true`` or ``dp: "2"`` is refused, not read as 1 and 2); a number
+    must be finite (NaN and infinities are refused)."""
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+def _check_numbers(value: Any, where: str = "") -> None:
+    """Every number anywhere in a raw spec (builder args and runtime_env too) is finite and a
+    whole number fits in 64 bits: the store, JSON and torch's seeds take nothing else."""
+    if isinstance(value, bool):
+        return
+    if isinstance(value, float) and not math.isfinite(value):
+        raise PydanticCustomError("spec_number", "{where}: {value} is not a finite number; give a finite one",
+                                  {"where": where or "spec", "value": str(value)})
+    if isinstance(value, int) and not -INT64_MAX - 1 <= value <= INT64_MAX:
+        raise PydanticCustomError("spec_number", "{where}: {value} is too large: whole numbers in a spec must lie "
+                                  "within +-{limit} (64 bits)", {"where": where or "spec", "value": str(value),
+                                                                 "limit": str(INT64_MAX)})
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_numbers(v, f"{where}.{k}" if where else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _check_numbers(v, f"{where}[{i}]")
 
 
 def _check_import_path(v: Optional[str]) -> Optional[str]:
@@ -81,12 +110,12 @@ class ScheduleSpec(_Strict):
     name: Literal["constant", "linear", "cosine"] = Field(
         "constant", description="after the warm-up: 'constant' keeps lr, 'linear' and 'cosine' decay it to min_lr at "
                                 "the last step")
-    warmup_steps: int = Field(0, ge=0, description="steps over which the rate rises linearly to lr (lr x s / W)")
+    warmup_steps: StrictInt = Field(0, ge=0, description="steps over which the rate rises linearly to lr (lr x s / W)")
     min_lr: float = Field(0.0, ge=0, description="the rate at the last step for 'linear' and 'cosine'")
 
 
 class OptimizerSpec(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
     name: str = Field(..., description="sgd, adam or adamw; other fields are torch.optim arguments (lr, momentum, ...)")
     lr: float = Field(0.001, gt=0, description="learning rate (the peak, with a schedule)")
     schedule: ScheduleSpec = Field(default_factory=ScheduleSpec, description="the learning rate per step")
@@ -104,20 +133,20 @@ class OptimizerSpec(BaseModel):
 
 
 class TrainingSpec(_Strict):
-    global_batch_size: int = Field(..., ge=1, description="samples per optimizer step (B); never changed by a reshape")
-    microbatch_size: int = Field(..., ge=1, description="samples per microbatch; B must be a multiple of dp x this")
-    steps: int = Field(..., ge=1, description="optimizer steps to train")
-    seed: int = Field(0, ge=0, description="seeds the initial parameters and the sample order")
-    shuffle: bool = Field(True, description="a new permutation of the data each epoch")
+    global_batch_size: StrictInt = Field(..., ge=1, description="samples per optimizer step (B); never changed by a reshape")
+    microbatch_size: StrictInt = Field(..., ge=1, description="samples per microbatch; B must be a multiple of dp x this")
+    steps: StrictInt = Field(..., ge=1, description="optimizer steps to train")
+    seed: StrictInt = Field(0, ge=0, description="seeds the initial parameters and the sample order")
+    shuffle: StrictBool = Field(True, description="a new permutation of the data each epoch")
     grad_clip_norm: Optional[float] = Field(
         None, gt=0, description="scale the gradients so that their total L2 norm over the whole model (every stage "
                                 "and replica; a tied parameter counted once) is at most this")
     precision: Literal["fp32", "bf16"] = Field(
         "fp32", description="'bf16': forward and backward under bf16 autocast; weights, gradients, their sum and the "
                             "optimizer state stay fp32")
-    activation_checkpointing: bool = Field(
+    activation_checkpointing: StrictBool = Field(
         False, description="recompute each layer's forward in its backward instead of keeping its inner activations")
-    skip_nonfinite: bool = Field(
+    skip_nonfinite: StrictBool = Field(
         False, description="skip (on every worker) a step whose gradient norm is inf or NaN, and go on; without it "
                            "such a step fails the job")
     batch_norm: Literal["microbatch", "deferred", "global"] = Field(
@@ -139,30 +168,30 @@ class TrainingSpec(_Strict):
 
 
 class ParallelismSpec(_Strict):
-    dp: int = Field(1, ge=1, description="data-parallel replicas")
-    pp: int = Field(1, ge=1, description="pipeline stages")
+    dp: StrictInt = Field(1, ge=1, description="data-parallel replicas")
+    pp: StrictInt = Field(1, ge=1, description="pipeline stages")
     schedule: Literal["1f1b", "gpipe", "interleaved_1f1b", "zb_h1", "zbv"] = Field(
         "1f1b", description="micro-batch schedule: 1f1b, gpipe, interleaved_1f1b (several model chunks per worker), "
                             "zb_h1 (zero bubble: each backward split into input and weight gradients, the weight "
                             "gradients fill the bubble) or zbv (zero bubble on 2 chunks per worker in a V)")
-    stages_per_worker: Optional[int] = Field(
+    stages_per_worker: Optional[StrictInt] = Field(
         None, ge=1, description="model chunks (virtual stages) on each worker: interleaved_1f1b and zbv place several "
                                 "(default 2; zbv needs exactly 2), the other schedules one")
     transport: Literal["object_store", "collective"] = Field(
         "collective", description="how activations move between stages: 'collective' (send/recv over gloo, NCCL on "
                                   "GPUs; the faster; every microbatch's activation must keep the shape of the first) "
                                   "or 'object_store' (Ray actor calls; no process group, any activation shape)")
-    partition: Union[Literal["balanced", "uniform"], list[int]] = Field(
+    partition: Union[Literal["balanced", "uniform"], list[StrictInt]] = Field(
         "balanced", description="'balanced' by measured layer cost, 'uniform' layer counts, or explicit layer counts")
     layer_costs_ms: Optional[list[float]] = Field(
         None, description="forward+backward milliseconds of one microbatch per layer on a worker; given, they replace "
                           "the scheduler's profile (which runs on its CPU) for partitions and the elastic planner")
-    replicas: Union[Literal["auto"], list[int], None] = Field(
+    replicas: Union[Literal["auto"], list[StrictInt], None] = Field(
         None, description="workers per pipeline stage (replicated stages, PipeDream's 1F1B-RR): [r_0, ..., r_{pp-1}], "
                           "microbatch k of a stage with r workers runs on its replica k mod r, and the replicas' "
                           "gradients are summed as data parallelism's; 'auto': the planner uses each pipeline's pp "
                           "workers as it models fastest (fewer stages, some replicated) from measured layer costs")
-    tp: int = Field(
+    tp: StrictInt = Field(
         1, ge=1, description="tensor parallelism inside each stage: its layers split over tp workers on one node "
                              "(each layer's tp_plan: 'colwise' / 'rowwise' / 'packed_colwise' Linear submodules; "
                              "layers without a plan are replicated); a job has dp x pp x tp workers")
@@ -239,18 +268,18 @@ class ResourcesSpec(_Strict):
     memory_per_worker_mb: Optional[float] = Field(
         None, gt=0, description="memory a worker may use for its stage (parameters, gradients, optimizer state and "
                                 "activations in flight); the elastic planner only picks shapes that fit")
-    nice: int = Field(
+    nice: StrictInt = Field(
         0, ge=0, le=19, description="the Unix niceness of the job's scheduler and workers: 0 runs them at the node's "
                                     "normal priority (Ray's default for its workers, 15, lets any other process on "
                                     "the node take their CPU); raise it to let other work on the node go first")
 
 
 class ElasticSpec(_Strict):
-    enabled: bool = Field(False, description="keep training while nodes join, leave or drain, reshaping dp x pp")
-    min_workers: int = Field(ELASTIC_MIN_WORKERS, ge=1, description="fewest workers the job trains on; below it the job waits")
-    max_workers: int = Field(ELASTIC_MAX_WORKERS, ge=1, description="most workers the job grows to when nodes join")
+    enabled: StrictBool = Field(False, description="keep training while nodes join, leave or drain, reshaping dp x pp")
+    min_workers: StrictInt = Field(ELASTIC_MIN_WORKERS, ge=1, description="fewest workers the job trains on; below it the job waits")
+    max_workers: StrictInt = Field(ELASTIC_MAX_WORKERS, ge=1, description="most workers the job grows to when nodes join")
     wait_timeout_s: float = Field(300.0, gt=0, description="how long a job below min_workers waits for slots, then fails")
-    snapshot_every_steps: int = Field(
+    snapshot_every_steps: StrictInt = Field(
         1, ge=0, description="copy the committed state of every stage to the scheduler's node every N steps, so losing "
                              "every replica of a stage loses no step (0 = rely on checkpoints)")
     min_gain: float = Field(0.10, ge=0, description="a voluntary reshape (scale-up) needs this modelled speed-up")
@@ -266,36 +295,36 @@ class ElasticSpec(_Strict):
 
 
 class CheckpointSpec(_Strict):
-    every_steps: int = Field(0, ge=0, description="write a checkpoint every N committed steps and after the last "
+    every_steps: StrictInt = Field(0, ge=0, description="write a checkpoint every N committed steps and after the last "
                                                   "(0 = no checkpoints)")
     path: str = Field("./checkpoints", min_length=1,
                       description="where checkpoints go: a local folder (relative to the working directory), "
                                   "file:///abs/path or s3://bucket/prefix; credentials and the endpoint come from "
                                   "the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")
-    keep: int = Field(3, ge=1, description="how many recent checkpoints to keep (older ones are deleted, on the "
+    keep: StrictInt = Field(3, ge=1, description="how many recent checkpoints to keep (older ones are deleted, on the "
                                            "storage too)")
-    max_failures: int = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
+    max_failures: StrictInt = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
                                                    "written (each failure is a checkpoint_failed event)")
 
 
 class RestartSpec(_Strict):
-    max: int = Field(0, ge=0, description="how many times the job is restarted from its newest complete checkpoint "
+    max: StrictInt = Field(0, ge=0, description="how many times the job is restarted from its newest complete checkpoint "
                                           "when its scheduler is lost (0 = never)")
 
 
 class SchedulingSpec(_Strict):
-    priority: int = Field(0, ge=-1000, le=1000, description="orders this tenant's own queued jobs: higher first "
+    priority: StrictInt = Field(0, ge=-1000, le=1000, description="orders this tenant's own queued jobs: higher first "
                                                           "(between tenants, the weighted fair share decides)")
-    preemptible: bool = Field(False, description="the cluster scheduler may stop this job at a step boundary, after "
+    preemptible: StrictBool = Field(False, description="the cluster scheduler may stop this job at a step boundary, after "
                                                  "a checkpoint, to give its slots to a job the fair share says "
                                                  "should run; it is queued again and resumes from that checkpoint. "
                                                  "Needs checkpoint.every_steps")
 
 
 class EvalSpec(_Strict):
-    every_steps: int = Field(..., ge=1, description="evaluate after every N committed steps (and after the last)")
+    every_steps: StrictInt = Field(..., ge=1, description="evaluate after every N committed steps (and after the last)")
     data: DataSpec = Field(..., description="the evaluation data, given like the job's data")
-    batches: int = Field(1, ge=1, description="batches of training.global_batch_size samples: the first "
+    batches: StrictInt = Field(1, ge=1, description="batches of training.global_batch_size samples: the first "
                                               "batches x B samples of the eval data, in order")
 
 
@@ -315,6 +344,26 @@ class JobSpec(_Strict):
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
     eval: Optional[EvalSpec] = Field(None, description="a validation loss every N steps, with the committed parameters")
     runtime_env: dict[str, Any] = Field(default_factory=dict, description="passed to Ray: working_dir, py_modules, pip, env_vars")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _finite_numbers(cls, data: Any) -> Any:
+        _check_numbers(data)
+        return data
+
+    @field_validator("runtime_env")
+    @classmethod
+    def _env_vars_are_strings(cls, env: dict[str, Any]) -> dict[str, Any]:
+        env_vars = env.get("env_vars")
+        if env_vars is None:
+            return env
+        if not isinstance(env_vars, dict):
+            raise ValueError(f"env_vars must map names to values, not a {type(env_vars).__name__}")
+        bad = [k for k, v in env_vars.items() if not isinstance(v, str)]
+        if bad:
+            raise ValueError(f"env_vars.{bad[0]} is {env_vars[bad[0]]!r}: Ray takes environment values "
+                             f"as strings only; quote it (\"{env_vars[bad[0]]}\")")
+        return env
 
     @model_validator(mode="after")
     def _shape_fits_batch(self):
@@ -387,6 +436,12 @@ def format_validation_error(err: ValidationError) -> str:
             msg = "unknown field (check its spelling)"
         elif e["type"] == "missing":
             msg = "required field is missing"
+        elif e["type"] in ("int_type", "bool_type", "float_type", "string_type") and isinstance(
+                e.get("input"), (str, int, float, bool)):
+            msg += f", not {json.dumps(e['input'])}"
+        if e["type"] == "spec_number":  # the message names the field itself
+            parts.append(msg)
+            continue
         parts.append(f"{loc}: {msg}")
     return "invalid job spec: " + "; ".join(parts)
 

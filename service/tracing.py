@@ -48,6 +48,16 @@ def norms_of(part: nn.Module) -> list:
             if isinstance(m, _BatchNorm) and type(m).forward is _BatchNorm.forward and m.track_running_stats]
 
 
+def changes_input_in_place(layer: nn.Module) -> bool:
+    """Does ``layer`` write into its input (``nn.ReLU(inplace=True)`` and torch's other
+    ``inplace`` activations, or an ``nn.Sequential`` that starts with one)?  A stage's input
+    is a leaf that needs its gradient, which autograd refuses to change in place: such a first
+    layer gets a copy of it."""
+    while isinstance(layer, nn.Sequential) and len(layer):
+        layer = layer[0]
+    return getattr(layer, "inplace", False) is True
+
+
 @dataclass(frozen=True)
 class Trace:
     metas: list            # (shape, dtype) of each layer's output for one microbatch
@@ -207,11 +217,17 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
             keep = _Saved(layers[i])
             try:
                 with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(keep.pack, _same):
-                    h = layers[i](h)
+                    h = layers[i](h.clone() if h.requires_grad and changes_input_in_place(layers[i]) else h)
             except Exception as e:
+                hint = ""
+                if "leaf Variable that requires grad is being used in an in-place operation" in str(e):
+                    hint = ("; the layer writes into its input in place, which a pipeline stage's input (a tensor "
+                            "that needs its gradient) does not allow: compute it out of place (x = x + y, not "
+                            "x += y; F.relu(x), not F.relu(x, inplace=True)); torch's own inplace=True modules are "
+                            "handled")
                 raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
                                  f"{x.dtype}): layer {i} ({type(layers[i]).__name__}) raised "
-                                 f"{type(e).__name__}: {e}") from None
+                                 f"{type(e).__name__}: {e}{hint}") from None
             if not isinstance(h, torch.Tensor):
                 raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "
                                  "a pipeline passes one tensor from layer to layer (return only the hidden states)")

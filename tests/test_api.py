@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -20,6 +21,7 @@ from service.names import NAMESPACE, placement_group_name, scheduler_name
 from service.spec import load_spec, parse_spec
 from tests import reference
 from tests.conftest import FIXTURES
+from tests.fixtures.userpkg.models import BOOM
 
 ALICE = "alice-token-0123456789"
 BOB = "bob-token-0123456789abcd"
@@ -238,6 +240,83 @@ def test_idempotent_retry_returns_the_same_job(server):
         wait_state(c, first.json()["id"], {"SUCCEEDED"})
 
 
+def test_an_idempotency_key_with_another_spec_is_a_conflict_and_yaml_bodies_are_specs(server):
+    """A spec posted as YAML (what a spec file holds) is the same job as its JSON retry under one
+    key; the key with a different spec is a 409. Cancelled at once, the job goes before its
+    scheduler placed anything."""
+    import yaml
+
+    spec = small_spec("as-yaml", steps=100000)
+    with server.client(BOB) as c:
+        first = c.post("/v1/jobs", content=yaml.safe_dump(spec), headers={"Idempotency-Key": "k-yaml",
+                                                                         "Content-Type": "application/yaml"})
+        assert first.status_code == 201, first.text
+        job = first.json()
+        retry = c.post("/v1/jobs", json=spec, headers={"Idempotency-Key": "k-yaml"})
+        assert retry.status_code == 200 and retry.json()["id"] == job["id"]
+        other = c.post("/v1/jobs", json=small_spec("as-yaml", steps=5), headers={"Idempotency-Key": "k-yaml"})
+        assert other.status_code == 409
+        assert other.json()["detail"] == (f"Idempotency-Key 'k-yaml' was already used for job {job['id']} with a "
+                                          "different spec; a retry must send the same spec: use a new key for a new job")
+        r = c.post(f"/v1/jobs/{job['id']}/cancel")
+        assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
+        kinds = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
+        assert kinds[-2:] == ["cancel_requested", "cancelled"] and "shape" not in kinds, kinds
+        time.sleep(2)  # its scheduler was stopped, not left to start: the job stays CANCELLED
+        assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "CANCELLED"
+        assert launch_scheduler_gone(job["id"])
+
+
+def launch_scheduler_gone(job_id: str) -> bool:
+    from actors import launch
+
+    deadline = time.monotonic() + 20
+    while launch.find_scheduler(job_id) is not None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return launch.find_scheduler(job_id) is None
+
+
+def test_odd_numbers_types_and_bodies_are_4xx_with_what_to_change(server):
+    """What a careless or hostile client sends: never a 500, never a job record."""
+    with server.client() as c:
+        total = c.get("/v1/jobs").json()["total"]
+
+        def post(text: str, ctype="application/json"):
+            return c.post("/v1/jobs", content=text.encode(), headers={"Content-Type": ctype})
+
+        body = json.dumps(small_spec("odd"))
+        for lr in ("NaN", "Infinity", "-Infinity", "1e400"):
+            r = post(body.replace('"lr": 0.003', f'"lr": {lr}'))
+            assert r.status_code == 422, (lr, r.text)
+            assert "optimizer.lr" in r.text and "is not a finite number" in r.text
+        r = post(body.replace('"steps": 6', f'"steps": {10**30}'))
+        assert r.status_code == 422 and "training.steps: 1000000000000000000000000000000 is too large" in r.text
+        r = post(body.replace('"seed": 4', f'"seed": {2**70}'))
+        assert r.status_code == 422 and "training.seed" in r.text and "64 bits" in r.text
+        r = post(body.replace('"steps": 6', '"steps": true'))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "training", "steps"]
+        r = post(body.replace('"dp": 1', '"dp": "1"'))
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "parallelism", "dp"]
+        r = c.post("/v1/jobs", json=small_spec("odd", runtime_env={"env_vars": {"A": 1}}))
+        assert r.status_code == 422 and "env_vars.A is 1: Ray takes environment values as strings only" in r.text
+        r = c.post("/v1/jobs", json=small_spec("odd", runtime_env={"py_modules": ["/home/me/code"]}))
+        assert r.status_code == 422 and "'/home/me/code' is not a URI" in r.text and "/v1/packages" in r.text
+        r = post(body, ctype="application/x-www-form-urlencoded")  # curl -d without -H
+        assert r.status_code == 415 and "Content-Type: application/json" in r.json()["detail"]
+        r = post("name: [unclosed", ctype="application/yaml")
+        assert r.status_code == 400 and "not a YAML job spec" in r.json()["detail"]
+        r = post("name: odd\nmodel: {kind: mlp}\n", ctype="application/yaml")
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "data"]
+        for route in ("events?after=", "output?after=", "metrics?after_step="):
+            r = c.get(f"/v1/jobs/no-such-job/{route}{2**63}")
+            assert r.status_code == 422, (route, r.text)
+        assert c.get("/v1/jobs").json()["total"] == total
+    token = {"Authorization": f"bearer {ALICE}"}  # the scheme's case does not matter (RFC 7235)
+    assert httpx.get(server.url + "/v1/jobs", headers=token).status_code == 200
+    text = httpx.get(server.url + "/metrics").text
+    assert 'status="500"' not in text
+
+
 def test_list_filters_and_paginates(server):
     """Carol's jobs are this test's alone, so each page's contents are known exactly."""
     with server.client(CAROL) as c:
@@ -307,12 +386,15 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
 
 
 def test_active_job_limit_per_tenant(server):
+    """Six submits at once against a limit of 3: exactly three are taken, whatever the race."""
     with server.client(BOB) as c:
-        ids = []
-        for i in range(3):
-            r = c.post("/v1/jobs", json=small_spec(f"busy{i}", steps=100000))
-            assert r.status_code == 201, r.text
-            ids.append(r.json()["id"])
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(lambda i: c.post("/v1/jobs", json=small_spec(f"busy{i}", steps=100000)),
+                                    range(6)))
+        assert sorted(r.status_code for r in answers) == [201] * 3 + [429] * 3, [r.text for r in answers]
+        ids = [r.json()["id"] for r in answers if r.status_code == 201]
+        refused = [r for r in answers if r.status_code == 429]
+        assert all("already has 3 active jobs" in r.json()["detail"] for r in refused)
         r = c.post("/v1/jobs", json=small_spec("one-too-many", steps=1))
         assert r.status_code == 429 and "already has 3 active jobs" in r.json()["detail"]
         for job_id in ids:
@@ -351,7 +433,7 @@ def test_cli_on_a_failing_job(server):
     assert p.returncode == 1
     job = json.loads(p.stdout.strip().splitlines()[-1])
     assert job["state"] == "FAILED"
-    assert job["error"] == "worker w0.1 at step 1 raised ValueError: boom from a user layer"
+    assert job["error"] == "worker w0.1 at step 1 raised ValueError: " + BOOM  # the whole message
     st = cli(server, "status", job["id"], "--json")
     assert st.returncode == 0 and json.loads(st.stdout)["state"] == "FAILED"
     ev = cli(server, "events", job["id"])
@@ -385,3 +467,22 @@ def test_serve_with_an_unreachable_store_says_so_without_the_password(tmp_path):
     assert p.returncode == 2
     assert p.stderr.startswith("relaytrain serve: cannot open the job store at postgresql://u:***@127.0.0.1:1/db")
     assert "s3cret" not in p.stderr
+
+
+def test_a_route_that_raises_is_a_500_the_metrics_count(tmp_path):
+    """The server's own request counter counts its 500s too (a bug must show on a dashboard)."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    app = create_app(Settings(home=tmp_path, api_tokens=""), connect_ray=False)
+
+    @app.get("/boom")
+    def boom():
+        raise RuntimeError("a bug")
+
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        assert tc.get("/boom").status_code == 500
+        text = tc.get("/metrics").text
+    assert 'relaytrain_http_requests_total{method="GET",route="/boom",status="500"} 1.0' in text

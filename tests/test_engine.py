@@ -97,3 +97,19 @@ def test_user_code_from_spec_folder(ray_session, tmp_path):
     assert_same_params(torch.load(tmp_path / "model.pt"), want)
     shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
     assert shape["partition"] == [1, 4]
+
+
+def test_torchvision_style_inplace_relus_channels_last_on_2x2(ray_session, tmp_path):
+    """ReLU(inplace=True) entries, one of them first on stage 1, and channels_last weights
+    under data parallelism with torch's fused SGD (relaytrain's default): the gradient sum's
+    buffers keep each weight's layout, so the parameters and BatchNorm buffers equal one process."""
+    spec = parse_spec({
+        "name": "tv-style", "model": {"builder": "userpkg.models:torchvision_style"},
+        "data": {"kind": "digits_images"}, "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 3, "seed": 3},
+        "parallelism": {"dp": 2, "pp": 2, "schedule": "zb_h1", "partition": [5, 4]},
+    })
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False)
+    want, _ = reference.train(spec, search=[FIXTURES], microbatched=True)  # BatchNorm: per microbatch
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)

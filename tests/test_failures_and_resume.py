@@ -13,6 +13,7 @@ import torch
 
 from service import checkpoint
 from actors.runner import JobFailed, run_job
+from tests.fixtures.userpkg.models import BOOM
 from service.spec import SpecError, parse_spec
 from tests import reference
 from tests.conftest import FIXTURES
@@ -41,7 +42,7 @@ def test_worker_exception_fails_job_with_traceback(ray_session, tmp_path, transp
         run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=60)
     assert time.monotonic() - t0 < 60  # stopped at once, not after a timeout
     # the third forward on stage 1 is microbatch 2 of step 1
-    assert str(e.value) == "worker w0.1 at step 1 raised ValueError: boom from a user layer"
+    assert str(e.value) == "worker w0.1 at step 1 raised ValueError: " + BOOM  # the whole message
     assert "Traceback" in e.value.detail and "models.py" in e.value.detail and "boom" in e.value.detail
     events = [json.loads(x) for x in open(tmp_path / "events.jsonl")]
     failed = [ev for ev in events if ev["type"] == "failed"]
@@ -112,10 +113,11 @@ def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path, model):
     want, _ = reference.train(spec, search=[FIXTURES])
     for k in want:
         torch.testing.assert_close(full[k], want[k], rtol=1e-4, atol=2e-5)
-    # resume from step 4 in another shape: same parameters as the uninterrupted run
+    # resume from step 4 in another shape: same parameters as the uninterrupted run; the path
+    # as typed on a command line, relative to where it runs (user code runs in its uploaded folder)
     other = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"dp": 1, "pp": 3})})
     final = run_job(spec=other, spec_dir=FIXTURES, out=str(tmp_path / "b"), progress=False,
-                    resume=str(ckpt / "step-00000004"))
+                    resume=os.path.relpath(ckpt / "step-00000004"))
     resumed = torch.load(tmp_path / "b" / "model.pt")
     for k in want:
         torch.testing.assert_close(resumed[k], full[k], rtol=1e-4, atol=2e-5)

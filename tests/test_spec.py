@@ -96,6 +96,41 @@ def test_optimizers_are_built_fused_and_step_like_torchs_default(name, args):
     assert not chosen.defaults.get("fused") and chosen.defaults["foreach"] is True
 
 
+@pytest.mark.parametrize("changes, message", [
+    ({"optimizer__lr": float("nan")}, "invalid job spec: optimizer.lr: nan is not a finite number; give a finite one"),
+    ({"optimizer__lr": float("inf")}, "invalid job spec: optimizer.lr: inf is not a finite number; give a finite one"),
+    ({"optimizer__momentum": float("-inf")}, "optimizer.momentum: -inf is not a finite number"),
+    ({"model__args__scale": [1.0, float("nan")]}, "model.args.scale[1]: nan is not a finite number"),
+    ({"training__steps": 10**30}, "invalid job spec: training.steps: 1000000000000000000000000000000 is too large: "
+                                  "whole numbers in a spec must lie within +-9223372036854775807 (64 bits)"),
+    ({"training__seed": 2**64}, "training.seed: 18446744073709551616 is too large"),
+    ({"training__steps": True}, "invalid job spec: training.steps: Input should be a valid integer, not true"),
+    ({"parallelism__dp": "2"}, 'invalid job spec: parallelism.dp: Input should be a valid integer, not "2"'),
+    ({"training__shuffle": "yes"}, 'invalid job spec: training.shuffle: Input should be a valid boolean, not "yes"'),
+    ({"runtime_env__env_vars": {"OMP_NUM_THREADS": 4}},
+     'invalid job spec: runtime_env: env_vars.OMP_NUM_THREADS is 4: Ray takes environment values as strings only; '
+     'quote it ("4")'),
+    ({"runtime_env__env_vars": ["A=1"]}, "runtime_env: env_vars must map names to values, not a list"),
+])
+def test_numbers_and_types_a_spec_cannot_mean(changes, message):
+    """A NaN or an infinity, a number past 64 bits, ``true`` or ``"2"`` for a whole number: refused
+    before anything starts, naming the field (the store, JSON and torch's seeds take none of them)."""
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(**changes))
+    assert message in str(e.value)
+
+
+def test_numbers_as_yaml_writes_them_still_load(tmp_path):
+    """PyYAML reads ``1e-3`` as text: a float field still takes it; whole numbers and switches
+    come as YAML's own."""
+    p = tmp_path / "s.yaml"
+    p.write_text("name: t\nmodel: {kind: mlp, args: {in_features: 64, hidden: 16, layers: 2}}\ndata: {kind: digits}\n"
+                 "optimizer: {name: adam, lr: 1e-3}\ntraining: {global_batch_size: 32, microbatch_size: 8, steps: 2, "
+                 "shuffle: no}\n")
+    s = load_spec(p)
+    assert s.optimizer.lr == 0.001 and s.training.steps == 2 and s.training.shuffle is False
+
+
 def test_misspelled_field():
     with pytest.raises(SpecError, match="parallelism.stages: unknown field"):
         parse_spec(spec_with(parallelism__stages=2))
@@ -129,6 +164,19 @@ def test_builder_not_sequential():
                              data={"builder": "userpkg.data:build"}))
     with pytest.raises(SpecError, match="must return torch.nn.Sequential or a layer list .*, got Linear"):
         preflight(s, [FIXTURES])
+
+
+def test_a_layer_that_writes_into_its_input_is_told_how_to_write_it():
+    """torch's inplace=True modules get a copy of a stage's input; a user layer's own x += 1
+    cannot be seen before it runs, so the pre-flight check says what to write instead."""
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:adds_in_place"}, data={"builder": "userpkg.data:build"},
+                             loss="cross_entropy"))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert "layer 1 (AddsInPlace) raised RuntimeError: a leaf Variable that requires grad" in str(e.value)
+    assert "compute it out of place (x = x + y, not x += y" in str(e.value)
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:torchvision_style"}, data={"kind": "digits_images"}))
+    preflight(s, [FIXTURES])  # ReLU(inplace=True) entries pass
 
 
 def test_model_and_data_do_not_fit():
