@@ -99,6 +99,12 @@ def _meta(m) -> Optional[tuple]:
     return (tuple(m[0]), m[1]) if m else None
 
 
+def _has_grad(meta: Optional[tuple]) -> bool:
+    """Does an activation of this (shape, dtype) get a gradient back?  Not one of integers
+    (token ids): the next chunk's input then needs none, and sends none."""
+    return meta is None or not isinstance(meta[1], torch.dtype) or meta[1].is_floating_point
+
+
 @dataclass(frozen=True)
 class Cell:
     """Where a worker stands in a shape: its (dp_rank, pp_rank), its model chunks (virtual
@@ -218,7 +224,7 @@ class Cell:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
                 cell.receives.append(("act", cell.key(g, a.stage - 1), boundary[a.stage - 1], cell.peer(a.stage - 1, g)))
-            elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1):
+            elif a.kind == "B" and a.stage < V - 1 and not cell.local(a.stage + 1) and _has_grad(boundary[a.stage]):
                 cell.receives.append(("grad", cell.key(g, a.stage), boundary[a.stage], cell.peer(a.stage + 1, g)))
             # then the skips this action pops (F) or whose gradients it needs (B), in route order
             for rt in cell.routes:
@@ -407,7 +413,7 @@ class StepRunner:
         for a in block:
             g = c.mb0 + a.mb
             inp, out, received, stashed = p.stash.pop((vs, a.mb))
-            grad = self._out_grad(a, step, g, p)
+            grad = self._out_grad(a, step, g, p, out)
             back = self._receive_skips(vs, step, g, "skipgrad", p)
             outs += [out] + [x for k, x in stashed.items() if k in back]
             grads += [grad] + [back[k] for k in stashed if k in back]
@@ -610,10 +616,12 @@ class StepRunner:
         c = self.cell
         return c.ranges[c.chunks.index(vs)]
 
-    def _out_grad(self, a, step: int, g: int, p: _Progress) -> Optional[torch.Tensor]:
-        """The gradient of a chunk's output: none for the loss, else from the next chunk."""
+    def _out_grad(self, a, step: int, g: int, p: _Progress, out: torch.Tensor) -> Optional[torch.Tensor]:
+        """The gradient of a chunk's output: none for the loss, nor for an output of integers
+        (token ids: the next chunk's input needs no gradient, so it sends none), else from the
+        next chunk."""
         c, vs = self.cell, a.stage
-        if vs == c.virtual - 1:
+        if vs == c.virtual - 1 or not out.is_floating_point():
             return None
         if c.local(vs + 1):
             return p.handed.pop(("grad", c.key(g, vs)))
@@ -627,7 +635,7 @@ class StepRunner:
         inputs (their gradients go back to the stasher)."""
         c, reduce, vs = self.cell, self.reduce, a.stage
         inp, out, received, stashed = p.stash.pop((vs, a.mb))
-        grad = self._out_grad(a, step, g, p)
+        grad = self._out_grad(a, step, g, p, out)
         back = self._receive_skips(vs, step, g, "skipgrad", p)
         outs = [out] + [x for k, x in stashed.items() if k in back]
         grads = [grad] + [back[k] for k in stashed if k in back]

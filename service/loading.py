@@ -266,6 +266,7 @@ class Samples:
     """Random access to the data by sample index, as (x, y) batches."""
 
     def __init__(self, data: Any, field: str = "data.builder"):
+        self.field = field
         if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
             x, y = data
             if len(x) != len(y):
@@ -303,7 +304,22 @@ class Samples:
     def _pairs(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         from torch.utils.data import default_collate
 
-        x, y = default_collate([self.dataset[int(i)] for i in idx])
+        items = [self.dataset[int(i)] for i in idx]
+        first = items[0] if items else None
+        if items and not (isinstance(first, (tuple, list)) and len(first) == 2):
+            what = (f"a dict with keys {sorted(map(str, first))[:8]}" if isinstance(first, dict) else
+                    f"a {type(first).__name__} of {len(first)}" if isinstance(first, (tuple, list)) else
+                    f"a {type(first).__name__}")
+            raise SpecError(f"{self.field}: the Dataset's item {int(idx[0])} is {what}, not an (x, y) pair: return "
+                            "(x, y) from __getitem__, x what the first layer takes and y the loss's target (for a "
+                            "dict of input_ids and labels: (item['input_ids'], item['labels']))")
+        x, y = default_collate(items)
+        for name, t in (("x", x), ("y", y)):
+            if not isinstance(t, torch.Tensor):
+                raise SpecError(f"{self.field}: the Dataset's {name} is a {type(first[0 if name == 'x' else 1]).__name__}, "
+                                "not one tensor (or array, or number): a pipeline passes one tensor from layer to "
+                                f"layer, so give one {name} per sample (an attention mask: build it inside the "
+                                "model, or stack it with the ids into one tensor)")
         return x, y
 
 
@@ -429,6 +445,8 @@ def first_microbatch(spec: JobSpec, samples: Samples) -> tuple[torch.Tensor, tor
     idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
     try:
         return samples.batch(idx)
+    except SpecError:
+        raise
     except Exception as e:
         raise SpecError(f"data: reading a microbatch failed with {type(e).__name__}: {e}") from None
 

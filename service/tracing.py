@@ -225,8 +225,13 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                             "that needs its gradient) does not allow: compute it out of place (x = x + y, not "
                             "x += y; F.relu(x), not F.relu(x, inplace=True)); torch's own inplace=True modules are "
                             "handled")
+                elif isinstance(e, TypeError) and "required positional argument" in str(e):
+                    hint = ("; a pipeline calls each layer with one tensor, the output of the layer before: wrap a "
+                            "layer that takes more (nn.MultiheadAttention takes query, key and value) in a module "
+                            "whose forward(x) calls it and returns one tensor")
+                given = "" if i == 0 else f", given an input of shape {tuple(inp.shape)} {inp.dtype},"
                 raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
-                                 f"{x.dtype}): layer {i} ({type(layers[i]).__name__}) raised "
+                                 f"{x.dtype}): layer {i} ({type(layers[i]).__name__}){given} raised "
                                  f"{type(e).__name__}: {e}{hint}") from None
             if not isinstance(h, torch.Tensor):
                 raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "

@@ -113,3 +113,19 @@ def test_torchvision_style_inplace_relus_channels_last_on_2x2(ray_session, tmp_p
     run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False)
     want, _ = reference.train(spec, search=[FIXTURES], microbatched=True)  # BatchNorm: per microbatch
     assert_same_params(torch.load(tmp_path / "model.pt"), want)
+
+
+@pytest.mark.parametrize("transport", ["collective", "object_store"])
+def test_token_ids_across_the_cut_train_and_equal_one_process(ray_session, tmp_path, transport):
+    """A decoder's first layer shifts the token ids and the cut falls after it: stage 1's input
+    is integers, which have no gradient, so none is sent back and none is waited for (it hung)."""
+    spec = parse_spec({
+        "name": "ids-cut", "model": {"builder": "userpkg.models:shifted_tokens"},
+        "data": {"kind": "chars", "args": {"context": 8, "stride": 8}}, "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.1, "momentum": 0.9},
+        "training": {"global_batch_size": 16, "microbatch_size": 4, "steps": 3, "seed": 2},
+        "parallelism": {"dp": 1, "pp": 2, "schedule": "zb_h1", "partition": [1, 3], "transport": transport},
+    })
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=60)
+    want, _ = reference.train(spec, search=[FIXTURES])
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)

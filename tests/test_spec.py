@@ -179,6 +179,29 @@ def test_a_layer_that_writes_into_its_input_is_told_how_to_write_it():
     preflight(s, [FIXTURES])  # ReLU(inplace=True) entries pass
 
 
+@pytest.mark.parametrize("data, message", [
+    ("dicts", "data.builder: the Dataset's item 0 is a dict with keys ['input_ids', 'labels'], not an (x, y) pair: "
+              "return (x, y) from __getitem__"),
+    ("nested_inputs", "data.builder: the Dataset's x is a tuple, not one tensor (or array, or number): a pipeline "
+                      "passes one tensor from layer to layer"),
+])
+def test_dataset_items_that_are_not_x_y_tensors_say_what_to_return(data, message):
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:build"}, data={"builder": f"userpkg.data:{data}"},
+                             training={"global_batch_size": 32, "microbatch_size": 8, "steps": 2, "shuffle": False}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert message in str(e.value)
+
+
+def test_a_layer_that_takes_several_tensors_is_told_to_be_wrapped():
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:attention_as_an_entry"},
+                             data={"builder": "userpkg.data:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert "layer 1 (MultiheadAttention), given an input of shape (8, 8) torch.float32, raised TypeError" in str(e.value)
+    assert "wrap a layer that takes more (nn.MultiheadAttention takes query, key and value)" in str(e.value)
+
+
 def test_model_and_data_do_not_fit():
     s = parse_spec(spec_with(data={"builder": "userpkg.data:build"}))  # 8 features into a 64-input MLP
     with pytest.raises(SpecError, match=r"the model fails on a microbatch of the data \(x of shape \(8, 8\)"):
