@@ -115,10 +115,13 @@ class SpecBody:
                            f"(Content-Type: application/yaml), not {ctype}; e.g. curl -H 'Content-Type: "
                            "application/yaml' --data-binary @spec.yaml"}, status_code=415)(scope, receive, send)
         body, more = b"", True
-        while more:
-            message = await receive()
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
+        try:
+            while more:
+                message = await receive()
+                body += message.get("body", b"")
+                more = message.get("more_body", False)
+        except HTTPException as e:  # BodyLimit's 413, raised here outside the routes' handlers
+            return await JSONResponse({"detail": e.detail}, status_code=e.status_code)(scope, receive, send)
         try:
             data = yaml.safe_load(body.decode("utf-8"))
             text = json.dumps(data).encode()

@@ -303,6 +303,9 @@ def test_odd_numbers_types_and_bodies_are_4xx_with_what_to_change(server):
         assert r.status_code == 422 and "'/home/me/code' is not a URI" in r.text and "/v1/packages" in r.text
         r = post(body, ctype="application/x-www-form-urlencoded")  # curl -d without -H
         assert r.status_code == 415 and "Content-Type: application/json" in r.json()["detail"]
+        chunks = (b"#" * 65536 for _ in range(40))  # 2.5 MiB of YAML streamed without Content-Length
+        r = c.post("/v1/jobs", content=chunks, headers={"Content-Type": "application/yaml"})
+        assert r.status_code == 413 and "over the limit" in r.json()["detail"]
         r = post("name: [unclosed", ctype="application/yaml")
         assert r.status_code == 400 and "not a YAML job spec" in r.json()["detail"]
         r = post("name: odd\nmodel: {kind: mlp}\n", ctype="application/yaml")
