@@ -246,8 +246,11 @@ class JobManager:
         self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
         actor = launch.find_scheduler(job_id)
         # a scheduler still starting (importing, or waiting for a CPU) has placed nothing yet:
-        # the job goes now, rather than after its scheduler came up only to stop (5-10 s)
-        starting = actor is not None and not ray.wait([actor.__ray_ready__.remote()], timeout=0.5)[0]
+        # the job goes now, rather than after its scheduler came up only to stop (5-10 s).  Only a
+        # job that has not run a step is judged so: a busy scheduler slow to answer must not
+        # cost a running job its orderly stop
+        early = job["state"] in (JobState.QUEUED.value, JobState.PENDING.value)
+        starting = early and actor is not None and not ray.wait([actor.__ray_ready__.remote()], timeout=0.5)[0]
         if actor is not None and not starting:
             try:
                 ray.get(actor.cancel.remote(), timeout=5)

@@ -124,10 +124,10 @@ class Authenticator:
         """The tenant of a bearer header, or None.  Without tokens everyone is 'local'."""
         if not self._tokens:
             return LOCAL_TENANT
-        scheme, _, given = (header or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():  # auth schemes are case-insensitive (RFC 7235)
+        scheme, _, token = (header or "").strip().partition(" ")
+        given = token.strip().encode()
+        if scheme.lower() != "bearer" or not given:  # auth schemes are case-insensitive (RFC 7235)
             return None
-        given = given.strip().encode()
         found = None
         for token, tenant in self._tokens:  # no early exit: time does not depend on which matched
             if hmac.compare_digest(token, given):

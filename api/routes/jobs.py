@@ -9,12 +9,11 @@ from pydantic import BaseModel, Field
 
 from api.deps import ManagerDep, TenantDep
 from api.schemas import ErrorOut, EventOut, JobOut, JobPage, OutputLineOut
-from service.spec import JobSpec
+from service.spec import INT64_MAX, JobSpec
 from service.states import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}}
-MAX_ID = 2**63 - 1  # the store's ids and steps are 64-bit integers
 
 
 @router.post("", status_code=201, response_model=JobOut,
@@ -55,7 +54,7 @@ def cancel_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=ERRORS)
 def job_events(job_id: str, manager: ManagerDep, tenant: TenantDep,
-               after: Annotated[int, Query(ge=0, le=MAX_ID, description="only events with a larger id")] = 0,
+               after: Annotated[int, Query(ge=0, le=INT64_MAX, description="only events with a larger id")] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000) -> list[dict]:
     manager.get(tenant, job_id)
     return manager.store.get_events(job_id, after, limit)
@@ -63,7 +62,7 @@ def job_events(job_id: str, manager: ManagerDep, tenant: TenantDep,
 
 @router.get("/{job_id}/output", response_model=list[OutputLineOut], responses=ERRORS)
 def job_output(job_id: str, manager: ManagerDep, tenant: TenantDep,
-               after: Annotated[int, Query(ge=0, le=MAX_ID, description="only lines with a larger id")] = 0,
+               after: Annotated[int, Query(ge=0, le=INT64_MAX, description="only lines with a larger id")] = 0,
                limit: Annotated[int, Query(ge=1, le=10000)] = 1000,
                tail: Annotated[bool, Query(description="the last `limit` lines instead of the first")] = False
                ) -> list[dict]:
@@ -75,7 +74,7 @@ def job_output(job_id: str, manager: ManagerDep, tenant: TenantDep,
 
 @router.get("/{job_id}/metrics", response_model=list[dict], responses=ERRORS)
 def job_metrics(job_id: str, manager: ManagerDep, tenant: TenantDep,
-                after_step: Annotated[int, Query(ge=0, le=MAX_ID, description="only steps after this one")] = 0,
+                after_step: Annotated[int, Query(ge=0, le=INT64_MAX, description="only steps after this one")] = 0,
                 limit: Annotated[int, Query(ge=1, le=100000)] = 10000) -> list[dict]:
     """One row per committed step (step, loss, time, samples_per_s, dp, pp, bubble, ...)."""
     manager.get(tenant, job_id)
