@@ -7,7 +7,6 @@ says Keep, Reshape, Wait or Fail from what the controller sees; the worker group
 calls, the reshaper moves state, the state keeper holds the copies, the record reports."""
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback
@@ -119,7 +118,8 @@ class JobController:
             if not self.elastic and not self.group.workers:  # its workers start while the model is traced
                 p = self.spec.parallelism
                 early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pipeline_workers)])
-            self.layers = layerfacts.learn(self.spec, [os.getcwd(), *self.search], gpu=self.group.gpus > 0)
+            self.layers = layerfacts.learn_for_job(self.spec, self.search, gpu=self.group.gpus > 0,
+                                                   cancelled=self.cancelled.is_set)
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:

@@ -68,8 +68,6 @@ import threading
 from concurrent.futures import Future
 from typing import Callable, TypeVar
 
-import torch
-
 T = TypeVar("T")
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
@@ -131,6 +129,8 @@ class StepThread:
         threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True).start()
 
     def _loop(self, threads: int) -> None:
+        import torch  # here: the scheduler names the worker's runtime_env without torch
+
         torch.set_num_threads(threads)
         while True:
             fn, args, done = self._work.get()

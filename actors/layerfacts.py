@@ -1,34 +1,87 @@
 """What the scheduler learns about a job's layers before placing it, without building them:
 each layer's cost (declared in the spec, or estimated from its FLOPs and bytes), parameter
-bytes, output shape and bytes, and which layers carry no state (service/tracing.py)."""
+bytes, output shape and bytes, and which layers carry no state (service/tracing.py).
+
+A job's scheduler does not import torch (it would cost each job about 2.4 s of CPU and 300 MB
+on the head node, before its workers could start): ``learn_for_job`` traces the model in a
+Ray task on the head node, in the job's runtime_env, whose process Ray keeps and reuses for
+the next job with the same runtime_env.  What comes back is plain data: dtypes travel by name
+(``service/tracing.py``: ``dtype_name``), and the workers turn them back into torch's."""
 from __future__ import annotations
 
+import os
+import traceback
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from service import planner, tracing
-from service.loading import preflight
-from service.spec import JobSpec
+from service import planner
+from service.spec import JobSpec, SpecError
 
 
 @dataclass(frozen=True)
 class Layers:
     facts: planner.LayerFacts
-    metas: list            # (shape, dtype) of each layer's output for one microbatch
+    metas: list            # (shape, dtype name) of each layer's output for one microbatch
     stateless: frozenset   # layers with no parameters and no persistent buffers: built whole at any step
     profiled: bool         # the costs were declared or estimated (else all zero)
     on_meta: bool          # traced on the meta device (else run once for real: a small model)
-    skips: list = ()       # the model's skips: (stasher, popper, name, at, (shape, dtype)) (actors/portals.py)
+    skips: list = ()       # the model's skips: (stasher, popper, name, at, (shape, dtype name)) (actors/portals.py)
 
     def boundary(self, shape: planner.Shape) -> list:
         """(shape, dtype) of what each stage of ``shape`` sends on."""
         return [self.metas[hi - 1] for _, hi in shape.bounds]
 
 
+def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
+                  cancelled: Callable[[], bool] = lambda: False) -> Layers:
+    """:func:`learn` as a job's scheduler runs it, in the job's own folder (its working_dir
+    comes first in ``search``): in a Ray task on the head node when called in an actor (the
+    scheduler), else here.  Raises :class:`SpecError` for a spec the trace refuses,
+    ``JobFailure`` for an unexpected error in it, ``JobCancelled`` once ``cancelled()``."""
+    import ray
+
+    if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
+        return learn(spec, [os.getcwd(), *search], gpu)
+    from actors.failures import JobCancelled, JobFailure
+    from actors.launch import scheduler_placement
+
+    ref = ray.remote(_learn_task).options(
+        num_cpus=0, max_retries=0, name="relaytrain-preflight", runtime_env=ray.get_runtime_context().runtime_env,
+        **scheduler_placement()).remote(spec.model_dump(mode="json"), search, gpu)
+    while not ray.wait([ref], timeout=0.5)[0]:
+        if cancelled():
+            ray.cancel(ref, force=True)
+            raise JobCancelled("job cancelled while its model was traced")
+    try:
+        kind, out, detail = ray.get(ref)
+    except ray.exceptions.RayError as e:  # its process died (out of memory, killed)
+        raise JobFailure(f"the pre-flight check of the model was lost: {type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}", detail=str(e)) from None
+    if kind == "spec":
+        raise SpecError(out)
+    if kind == "error":
+        raise JobFailure(f"the pre-flight check of the model raised {out}", detail=detail)
+    return out
+
+
+def _learn_task(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
+    """The Ray task of :func:`learn_for_job`: ("ok", Layers, ""), ("spec", message, "") or
+    ("error", "Type: message", traceback)."""
+    try:
+        return "ok", learn(JobSpec.model_validate(spec), [os.getcwd(), *search], gpu), ""
+    except SpecError as e:
+        return "spec", str(e), ""
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
+
+
 def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layers:
-    """The pre-flight check (service/loading.py) and what it traced.  ``gpu``: whether the
-    workers get GPUs, as the scheduler decided it (``resources.gpus_per_worker`` unset takes one
-    when the cluster has a GPU per worker); without it, what the spec says."""
+    """The pre-flight check (service/loading.py) and what it traced, in this process.  ``gpu``:
+    whether the workers get GPUs, as the scheduler decided it (``resources.gpus_per_worker`` unset
+    takes one when the cluster has a GPU per worker); without it, what the spec says."""
+    from service import tracing
+    from service.loading import preflight
+
     p = spec.parallelism
     t = preflight(spec, search)
     profiled = (spec.elastic.enabled or (p.partition == "balanced" and p.pp > 1) or bool(p.layer_costs_ms)
@@ -39,22 +92,14 @@ def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layer
         seconds = tracing.estimate_seconds(t, threads=max(1, int(spec.resources.cpus_per_worker)))
     else:
         seconds = [0.0] * len(t.metas)
-    act_bytes = [_bytes(shape, dtype) for shape, dtype in t.metas]
+    act_bytes = [tracing.nbytes(shape, dtype) for shape, dtype in t.metas]
     facts = planner.LayerFacts(seconds, t.param_bytes, act_bytes, saved_bytes=t.saved_bytes or None,
                                checkpointing=spec.training.activation_checkpointing,
-                               skips=[(s.stasher, s.popper, _bytes(*s.meta)) for s in t.skips],
+                               skips=[(s.stasher, s.popper, tracing.nbytes(*s.meta)) for s in t.skips],
                                gathers=t.norms if spec.training.batch_norm == "global" else frozenset(),
                                # under bf16 autocast autograd computes every gradient (actors/stage.py)
                                linears=None if spec.training.precision == "bf16" else t.linears,
                                gpu=bool(spec.resources.gpus_per_worker) if gpu is None else gpu)
-    skips = [(s.stasher, s.popper, s.name, s.at, s.meta) for s in t.skips]
-    return Layers(facts, t.metas, t.stateless, profiled, t.on_meta, skips)
-
-
-def _bytes(shape: tuple, dtype) -> int:
-    import torch
-
-    n = 1
-    for d in shape:
-        n *= d
-    return n * torch.empty((), dtype=dtype).element_size()
+    metas = [(tuple(shape), tracing.dtype_name(dtype)) for shape, dtype in t.metas]
+    skips = [(s.stasher, s.popper, s.name, s.at, (tuple(s.meta[0]), tracing.dtype_name(s.meta[1]))) for s in t.skips]
+    return Layers(facts, metas, t.stateless, profiled, t.on_meta, skips)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from relaytrain import skip
 from service.partition import chunk_of
+from service.tracing import dtype_named
 
 
 @dataclass(frozen=True)
@@ -43,7 +44,7 @@ def routes(skips: list, bounds: list) -> tuple:
     for k, (stasher, popper, name, at, meta) in enumerate(skips):
         src, dst = chunk_of(bounds, stasher), chunk_of(bounds, popper)
         if src != dst:
-            out.append(Route(k, stasher, popper, name, tuple(at), (tuple(meta[0]), meta[1]), src, dst))
+            out.append(Route(k, stasher, popper, name, tuple(at), (tuple(meta[0]), dtype_named(meta[1])), src, dst))
     return tuple(out)
 
 

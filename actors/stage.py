@@ -66,6 +66,7 @@ from actors.globalnorm import Lockstep
 from service import replicas as replicas_
 from service import schedules
 from service.loading import forward_seed
+from service import tracing
 from service.tracing import changes_input_in_place, norms_of
 from relaytrain import skip
 
@@ -96,7 +97,8 @@ class GradientReducer(Protocol):
 
 
 def _meta(m) -> Optional[tuple]:
-    return (tuple(m[0]), m[1]) if m else None
+    """(shape, dtype) from the scheduler's (shape, dtype name) (actors/layerfacts.py)."""
+    return (tuple(m[0]), tracing.dtype_named(m[1])) if m else None
 
 
 def _has_grad(meta: Optional[tuple]) -> bool:

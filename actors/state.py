@@ -5,10 +5,11 @@ A state key of the whole model starts with its layer index ('3.0.weight' is laye
 parts of several stages merge into one dict and a subset of layers is a filter."""
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # the scheduler moves states by name (layer_of, subset_state) without torch
+    import torch
+    from torch import nn
 
 
 def layer_of(name: str) -> int:
@@ -24,6 +25,8 @@ def has_state(layer: nn.Module) -> bool:
 
 
 def clone(v: Any) -> Any:
+    import torch
+
     if isinstance(v, torch.Tensor):
         return v.detach().to("cpu", copy=True)
     if isinstance(v, dict):

@@ -15,7 +15,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.failures import JobCancelled, JobFailure, cell_name, kind_of, step_failure
 from actors import heap
-from actors.worker import StageWorker
+from actors.workeractor import StageWorker
 from service import names, planner
 from service.recipe import needs_global_norm
 from service.spec import JobSpec

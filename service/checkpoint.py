@@ -40,8 +40,6 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
-import torch
-
 from service import storage
 
 _DIR_RE = re.compile(r"^step-(\d{8})$")
@@ -175,6 +173,8 @@ class _RemoteFile(io.RawIOBase):
 def _torch_load(file: Where):
     """A part's (or a format 1 ``state.pt``'s) contents: memory-mapped from a local disk, read
     through fsspec from remote storage."""
+    import torch  # here: a job's scheduler finds and lists checkpoints without torch
+
     if isinstance(file, Path):
         return torch.load(file, map_location="cpu", mmap=True, weights_only=False)
     fs, path = storage.fs_and_path(file)
@@ -239,6 +239,8 @@ def begin(root: str | Path, step: int, clean: bool = True) -> Where:
 def write_part(folder: str | Path, index: int, count: int, model: dict, optim: dict) -> dict:
     """Write one stage's part (its ``state_dict`` and name-keyed optimizer state) atomically
     into ``folder``; return its entry for :func:`finish`. Stages call it at the same time."""
+    import torch
+
     if not 0 <= index < count:
         raise ValueError(f"part {index} of {count}: the index must be in [0, {count})")
     folder = _loc(folder)
@@ -287,6 +289,8 @@ def _write_stream(fs, path: str, write: Callable) -> None:
 
 
 def _same(a, b) -> bool:
+    import torch
+
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
                 and a.shape == b.shape and torch.equal(a, b))

@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import statistics
 import time
-from typing import Sequence, Union
+from typing import TYPE_CHECKING, Sequence, Union
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where a layer is profiled: a job's scheduler plans without it
+    import torch
+    from torch import nn
 
 
 def profile_layers(model: nn.Sequential, x: torch.Tensor, repeats: int = 5, threads: int | None = None) -> list[float]:
     """Median seconds of forward + backward of each layer on input ``x`` (after one
     warm-up pass), with ``threads`` torch threads as a worker would have."""
+    import torch
+
     old_threads = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -27,6 +30,8 @@ def profile_layers(model: nn.Sequential, x: torch.Tensor, repeats: int = 5, thre
 
 
 def _profile(model: nn.Sequential, x: torch.Tensor, repeats: int) -> list[float]:
+    import torch
+
     inputs = []
     with torch.no_grad():
         h = x

@@ -20,9 +20,7 @@ import uuid
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save, save_file
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -99,12 +97,16 @@ def write_shard(folder: str | Path, index: int, count: int, tensors: dict) -> di
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / shard_name(index, count)
     tensors = _plain(tensors)
+    from safetensors.torch import save_file  # imports torch: the scheduler writes only the index
+
     _atomic(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
     return {"file": path.name, "names": list(tensors), "bytes": sum(t.nbytes for t in tensors.values())}
 
 
 def to_bytes(tensors: dict) -> bytes:
     """One shard as bytes (for a store that takes blobs), as :func:`write_shard` would write it."""
+    from safetensors.torch import save
+
     return save(_plain(tensors), metadata={"format": "pt"})
 
 
@@ -184,4 +186,6 @@ def to_model_pt(folder: str | Path, path: str | Path) -> Path:
     order = json.loads(index.read_text())["metadata"].get("order") if index.is_file() else None
     if order:
         state = {n: state[n] for n in order}
+    import torch
+
     return _atomic(Path(path), lambda tmp: torch.save(state, tmp))

@@ -39,6 +39,29 @@ def plain_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and type(m).forward in LINEAR_FORWARDS
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """A dtype as plain data ('float32'): what a job's scheduler holds and passes on, without torch."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_named(name) -> torch.dtype:
+    """The dtype :func:`dtype_name` named (a torch.dtype is returned as it is)."""
+    if isinstance(name, torch.dtype):
+        return name
+    dtype = getattr(torch, str(name), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{name!r} is not the name of a torch dtype")
+    return dtype
+
+
+def nbytes(shape: tuple, dtype: torch.dtype) -> int:
+    """Bytes of a tensor of ``shape`` and ``dtype``."""
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=dtype).element_size()
+
+
 def norms_of(part: nn.Module) -> list:
     """The BatchNorm layers of ``part`` that keep running statistics (a subclass with a forward
     of its own, such as SyncBatchNorm, is left alone): the ones ``training.batch_norm`` governs."""

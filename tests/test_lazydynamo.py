@@ -79,3 +79,4 @@ def test_compiled_code_sees_torchs_disabled_functions():
     with_defer = run(COMPILED.format(defer="from service import lazydynamo; assert lazydynamo.defer() > 0"))
     plain = run(COMPILED.format(defer=""))
     assert with_defer == plain
+
