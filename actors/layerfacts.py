@@ -10,6 +10,7 @@ the next job with the same runtime_env.  What comes back is plain data: dtypes t
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -66,13 +67,31 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
 
 def _learn_task(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
     """The Ray task of :func:`learn_for_job`: ("ok", Layers, ""), ("spec", message, "") or
-    ("error", "Type: message", traceback)."""
+    ("error", "Type: message", traceback).  Its process serves later jobs too, so the user's
+    modules it imported (from the job's folder or ``search``) are forgotten after the trace:
+    the next job imports its own code afresh, as its workers do."""
+    import ray
+
+    from service import loading  # noqa: F401  (the engine's modules stay imported)
+
+    own = [os.path.realpath(d) for d in search]
+    if ray.get_runtime_context().runtime_env.get("working_dir"):
+        own.append(os.path.realpath(os.getcwd()))
+    before = set(sys.modules)
     try:
         return "ok", learn(JobSpec.model_validate(spec), [os.getcwd(), *search], gpu), ""
     except SpecError as e:
         return "spec", str(e), ""
     except Exception as e:
         return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
+    finally:
+        for name in set(sys.modules) - before:
+            where = os.path.realpath(getattr(sys.modules[name], "__file__", None) or "/")
+            if name.split(".")[0] not in ENGINE and any(where.startswith(d + os.sep) for d in own):
+                del sys.modules[name]
+
+
+ENGINE = ("actors", "service", "api", "relaytrain")  # never forgotten, wherever they lie
 
 
 def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layers:

@@ -486,12 +486,13 @@ def _warm(actor) -> int:
 
 
 def _learn(sched) -> int:
-    """Inside a JobScheduler actor: the pre-flight and layer profile a job's scheduler runs first."""
+    """Inside a JobScheduler actor: the pre-flight and layer profile a job's scheduler has run
+    first (in a Ray task: actors/layerfacts.py), and what comes back of it."""
     import os as _os
 
     from actors import layerfacts
 
-    layerfacts.learn(sched.spec, [])
+    layerfacts.learn_for_job(sched.spec, [])
     return _os.getpid()
 
 
@@ -501,8 +502,8 @@ def measure_base(spec) -> dict:
     - ``bare`` / ``base``: VmHWM of an empty worker, a StageWorker actor (it imports torch, Ray
       and the engine) that holds no layer, before / after it made an optimizer and ran a
       stand-in step;
-    - ``scheduler``: VmHWM of a JobScheduler actor that ran the pre-flight and the layer profile
-      of ``spec`` (imports, meta trace, machine-speed probe), but no job."""
+    - ``scheduler``: VmHWM of a JobScheduler actor that had the pre-flight and the layer profile
+      of ``spec`` run (imports, meta trace, machine-speed probe: in a task), but no job."""
     import ray
 
     from actors.scheduler import JobScheduler

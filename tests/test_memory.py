@@ -39,9 +39,10 @@ CONFIGURE_SLACK = 32 * MiB
 # engine's StepRunner in one process, MALLOC_MMAP_THRESHOLD_ unset against set to 1 MiB); twice
 # that, for the noise of a shared machine.
 WORKER_SLACK = 128 * MiB
-# The scheduler's peak over its base (the same actor class, having pre-flighted a tiny model:
-# imports, meta trace, machine-speed probe): its worker group, record and polls.  A quarter of
-# one block's parameters (75 MiB).
+# The scheduler's peak over its base (the same actor class, having had a tiny model pre-flighted:
+# its imports, and the trace's facts from the pre-flight task): its worker group, record and
+# polls.  A quarter of one block's parameters (75 MiB); the scheduler imports no torch (about
+# 250 MiB), so any tensor that passed through it would show.
 SCHEDULER_SLACK = 20 * MiB
 
 

@@ -94,3 +94,31 @@ def test_a_spec_the_trace_refuses_fails_the_job_saying_what_to_change(ray_sessio
     assert final["state"] == "FAILED"
     assert final["error"] == str(here.value)
     assert [e["type"] for e in events] == ["started", "failed"] and events[-1]["message"] == str(here.value)
+
+
+def test_each_job_traces_its_own_code_though_the_trace_process_serves_them_all(ray_session, tmp_path):
+    """Two jobs whose code has the same module name in two folders: the pre-flight task's process
+    (kept by Ray for the next job with the same runtime_env) imports each job's own."""
+    ray = ray_session
+    from actors.launch import start_scheduler
+
+    shapes = []
+    for layers in (2, 4):
+        folder = tmp_path / f"code{layers}"
+        folder.mkdir()
+        (folder / "twinmodel.py").write_text(
+            "from torch import nn\n\n"
+            "def build():\n"
+            f"    return nn.Sequential(*[nn.Linear(64, 64) for _ in range({layers} - 1)], nn.Linear(64, 10))\n")
+        spec = {"name": "twin", "model": {"builder": "twinmodel:build"}, "data": {"kind": "digits"},
+                "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 1},
+                "parallelism": {"dp": 1, "pp": 2}}
+        sched = start_scheduler(f"twin-{layers}-{uuid.uuid4().hex[:8]}", spec, [str(folder)])
+        try:
+            final = ray.get(sched.run.remote(), timeout=240)
+            events = ray.get(sched.poll.remote())["events"]
+        finally:
+            ray.kill(sched)
+        assert final["state"] == "SUCCEEDED", final["error"]
+        shapes.append(next(e for e in events if e["type"] == "shape"))
+    assert [sum(s["partition"]) for s in shapes] == [2, 4], shapes
