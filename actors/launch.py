@@ -10,7 +10,7 @@ from typing import Any, Optional
 import ray
 
 from service import rayconnect
-from service.names import NAMESPACE, is_scheduler, placement_group_name, scheduler_name, tp_group_prefix
+from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
 
 RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
@@ -59,9 +59,8 @@ def upload_runtime_env(env: dict) -> dict:
 
 def scheduler_placement() -> dict:
     """Actor options that keep a job's scheduler on the head node: it holds the off-node
-    copy of the workers' state, so it must not share a worker node's fate (a 0-CPU head is
-    not reached by soft node affinity, hence the head's own resource)."""
-    return {"resources": {"node:__internal_head__": 0.001}}
+    copy of the workers' state, so it must not share a worker node's fate."""
+    return on_the_head()
 
 
 def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Optional[float] = None) -> None:

@@ -44,11 +44,11 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
     if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
         return learn(spec, [os.getcwd(), *search], gpu)
     from actors.failures import JobCancelled, JobFailure
-    from actors.launch import scheduler_placement
+    from service.names import on_the_head
 
     ref = ray.remote(_learn_task).options(
         num_cpus=0, max_retries=0, name="relaytrain-preflight", runtime_env=ray.get_runtime_context().runtime_env,
-        **scheduler_placement()).remote(spec.model_dump(mode="json"), search, gpu)
+        **on_the_head()).remote(spec.model_dump(mode="json"), search, gpu)
     while not ray.wait([ref], timeout=0.5)[0]:
         if cancelled():
             ray.cancel(ref, force=True)

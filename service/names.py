@@ -5,6 +5,12 @@ from __future__ import annotations
 NAMESPACE = "relaytrain"
 
 
+def on_the_head() -> dict:
+    """Ray options that keep a process on the head node (a job's scheduler, its pre-flight
+    task): a 0-CPU head is not reached by soft node affinity, hence the head's own resource."""
+    return {"resources": {"node:__internal_head__": 0.001}}
+
+
 def scheduler_name(job_id: str) -> str:
     return f"relaytrain:{job_id}:scheduler"
 
