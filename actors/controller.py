@@ -30,12 +30,13 @@ class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
                  keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper,
-                 cap: Optional[int] = None):
+                 cap: Optional[int] = None, traced: Optional[layerfacts.Layers] = None):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
         self.model_out, self.save_index = model_out, save_index  # where the final model's shards go
         self.elastic = spec.elastic.enabled
         self.layers: Optional[layerfacts.Layers] = None
+        self.traced = traced                         # the model's trace, when who started the job made it
         self.make_reshaper = reshaper
         self.reshaper: Optional[Reshaper] = None
         self.watch = watch                           # the cluster as the scheduler sees it (elastic jobs)
@@ -118,8 +119,11 @@ class JobController:
             if not self.elastic and not self.group.workers:  # its workers start while the model is traced
                 p = self.spec.parallelism
                 early = self.group.spawn([(r, s) for r in range(p.dp) for s in range(p.pipeline_workers)])
-            self.layers = layerfacts.learn_for_job(self.spec, self.search, gpu=self.group.gpus > 0,
-                                                   cancelled=self.cancelled.is_set)
+            if self.traced is not None and self.traced.facts.gpu == (self.group.gpus > 0):
+                self.layers = self.traced  # `relaytrain run` traced it before it started anything
+            else:
+                self.layers = layerfacts.learn_for_job(self.spec, self.search, gpu=self.group.gpus > 0,
+                                                       cancelled=self.cancelled.is_set)
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:

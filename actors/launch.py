@@ -114,7 +114,8 @@ def job_process_env(runtime_env: dict, nice: int) -> dict:
 def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: Optional[dict] = None,
                     detached: bool = False, **kwargs):
     """Create the job's named scheduler actor on the head node; ``kwargs`` go to
-    ``JobScheduler`` (checkpoint_root, resume, timeout, start_timeout, store_url, preflight)."""
+    ``JobScheduler`` (checkpoint_root, resume, timeout, start_timeout, store_url, model_dir,
+    rerun_through, allocation, traced: the model's trace when the caller made it)."""
     from actors.scheduler import JobScheduler
 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}

@@ -18,9 +18,9 @@ import uuid
 from pathlib import Path
 from typing import Optional
 
-from actors import launch
+from actors import launch, layerfacts
 from service import checkpoint, restarts, shards
-from service.loading import preflight, search_dirs
+from service.loading import search_dirs
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
 
@@ -69,7 +69,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         spec = load_spec(spec_path)
         spec_dir = spec_dir or str(Path(spec_path).resolve().parent)
     search = search_dirs(spec_dir)
-    preflight(spec, search)
+    traced = layerfacts.learn(spec, search)  # the pre-flight check; its trace spares the scheduler one
     ckpt_root = restarts.checkpoint_root(spec)
     restarts.check_storage(ckpt_root)
     resume_path = None
@@ -100,7 +100,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                 job_id, spec.model_dump(mode="json"), search,
                 runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
                 checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
-                store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through)
+                store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through,
+                traced=traced)
             try:
                 final = _follow(sched, sched.run.remote(), outputs, seen)
                 break

@@ -122,3 +122,25 @@ def test_each_job_traces_its_own_code_though_the_trace_process_serves_them_all(r
         assert final["state"] == "SUCCEEDED", final["error"]
         shapes.append(next(e for e in events if e["type"] == "shape"))
     assert [sum(s["partition"]) for s in shapes] == [2, 4], shapes
+
+
+def test_relaytrain_run_hands_its_trace_to_the_scheduler(ray_session, tmp_path):
+    """`relaytrain run` traces the model itself (its pre-flight check, before anything starts):
+    the scheduler takes that trace and starts no pre-flight task.  The model's builder notes
+    which processes build it."""
+    from actors.runner import run_job
+
+    (tmp_path / "notedmodel.py").write_text(
+        "import os\nfrom torch import nn\n\n"
+        "def build():\n"
+        f"    with open({str(tmp_path / 'built_in')!r}, 'a') as f:\n"
+        "        f.write(open('/proc/self/cmdline').read().split(chr(0))[0] + '\\n')\n"
+        "    return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))\n")
+    spec = parse_spec({"name": "noted", "model": {"builder": "notedmodel:build"}, "data": {"kind": "digits"},
+                       "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 2},
+                       "parallelism": {"dp": 1, "pp": 2}})
+    final = run_job(spec=spec, spec_dir=str(tmp_path), out=str(tmp_path / "out"), progress=False, record=False)
+    assert final["state"] == "SUCCEEDED"
+    built_in = set((tmp_path / "built_in").read_text().split())
+    assert not any("preflight" in p for p in built_in), built_in
+    assert any("StageWorker" in p for p in built_in), built_in  # the workers build their layers
