@@ -150,7 +150,39 @@ def grad_view(flat, p):
     return flat.as_strided(p.size(), p.stride())
 
 
-class GradBuckets:
+def got_gradient(p) -> None:
+    """Note that ``p`` got a gradient this step (from autograd, through the hooks the sums
+    below put on every parameter, or from a weight-gradient product: actors/deferred.py)."""
+    p.relaytrain_got_grad = True
+
+
+class UsedOnly:
+    """What the gradient sums share: a parameter that no replica used this step ends it with no
+    ``.grad``, as in one process (its optimizer then skips it: no weight decay, no moments).
+    The buckets give every parameter a ``.grad`` view from the step's start, so use is noted
+    apart (``got_gradient``) and summed over the replicas with the gradients."""
+
+    def _note_uses(self) -> list:
+        return [p.register_post_accumulate_grad_hook(got_gradient) for p in self.params]
+
+    def _forget_uses(self) -> None:
+        for p in self.params:
+            p.relaytrain_got_grad = False
+
+    def _drop_unused(self) -> None:
+        """Collective: the parameters that no replica used lose their ``.grad`` on every replica
+        (one all-reduce of a flag per parameter, a few hundred bytes)."""
+        import torch
+
+        unused = torch.tensor([float(not p.relaytrain_got_grad) for p in self.params], device=self.params[0].device)
+        dist.all_reduce(unused, op=dist.ReduceOp.SUM, group=self.group)
+        everywhere = float(dist.get_world_size(self.group))
+        for p, n in zip(self.params, unused.tolist()):
+            if n == everywhere:
+                p.grad = None
+
+
+class GradBuckets(UsedOnly):
     """The data-parallel gradient all-reduce (SUM) of one stage, in buckets whose flat
     buffers the gradients accumulate into directly (DDP's ``gradient_as_bucket_view``): no
     copy into or out of the all-reduce.
@@ -190,7 +222,7 @@ class GradBuckets:
                 off += p.numel()
             self.views.append(views)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
-        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params] if overlap else []
+        self._handles = [p.register_post_accumulate_grad_hook(self._ready) for p in self.params]
         self._armed = False
         self._reset()
 
@@ -202,6 +234,7 @@ class GradBuckets:
     def attach(self) -> None:
         """Zero the buckets and make every ``.grad`` a view into its bucket."""
         self._reset()
+        self._forget_uses()
         for flat, b, views in zip(self.flats, self.buckets, self.views):
             flat.zero_()
             for p, v in zip(b, views):
@@ -212,6 +245,7 @@ class GradBuckets:
         self._armed = self.overlap
 
     def _ready(self, p) -> None:
+        got_gradient(p)
         if not self._armed:
             return
         i = self._bucket_of[id(p)]
@@ -236,6 +270,7 @@ class GradBuckets:
         works, self._works = self._works, []
         for work in works:
             work.wait()
+        self._drop_unused()
 
     def close(self) -> None:
         self._armed = False
@@ -245,7 +280,7 @@ class GradBuckets:
         self._handles = []
 
 
-class SharedMemorySum:
+class SharedMemorySum(UsedOnly):
     """The data-parallel gradient SUM of one stage whose replicas all live on this node,
     through shared memory instead of gloo's TCP loopback.
 
@@ -274,6 +309,7 @@ class SharedMemorySum:
         import torch
 
         self.params, self.group, self.rank, self.world = params, group, rank, world
+        self._handles = self._note_uses()
         self.n = n = sum(p.numel() for p in params)
         dtype = params[0].dtype
         self.fd = os.open(path, os.O_RDWR)
@@ -326,6 +362,7 @@ class SharedMemorySum:
 
     def attach(self) -> None:
         """This step's gradients accumulate in this replica's slot."""
+        self._forget_uses()
         self.own.zero_()
         for p, v in zip(self.params, self.views):
             p.grad = v
@@ -357,6 +394,7 @@ class SharedMemorySum:
                 else:
                     self._write(r, start, acc)
         dist.barrier(group=self.group)  # every chunk is summed: each slot holds the whole sum
+        self._drop_unused()
 
     def _offset(self, r: int, start: int) -> int:
         return (r * self.n + start) * self.esize
@@ -378,6 +416,9 @@ class SharedMemorySum:
             done += os.pwrite(self.fd, data[done:], self._offset(r, start) + done)
 
     def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
         self.own = None  # the mapping goes with the last reference
         if self.fd is not None:
             os.close(self.fd)

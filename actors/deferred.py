@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from actors.collectives import got_gradient
 from service import tracing
 
 
@@ -71,6 +72,7 @@ def _accumulate(p: nn.Parameter, value: torch.Tensor) -> None:
         p.grad = value
     else:
         p.grad.add_(value)
+    got_gradient(p)
 
 
 # each weight's gradient of the step before, kept after ``zero_grad(set_to_none=True)`` let go
@@ -117,6 +119,7 @@ def weight_grads(pending: list) -> None:
                 w.grad = _new_grad(w, g2.t(), x2)
             else:  # one product into the gradient, no temporary the size of the weight
                 w.grad.addmm_(g2.t(), x2)
+            got_gradient(w)
         if module.bias is not None and module.bias.requires_grad:
             _accumulate(module.bias, g2.sum(0))
 

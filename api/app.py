@@ -12,6 +12,7 @@ from fastapi import FastAPI, HTTPException, Request
 from fastapi.encoders import jsonable_encoder
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily
 
@@ -20,6 +21,7 @@ from api.jobs import JobManager
 from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens, load_weights
 from service.settings import Settings
+from service.spec import read_yaml
 from service.states import JobState
 from service.store import Store
 
@@ -93,9 +95,9 @@ def json_safe(value):
 
 
 class SpecBody:
-    """ASGI middleware for POST /v1/jobs: the spec comes as JSON, or as YAML (what a spec file
-    holds; Content-Type application/yaml), passed on as JSON; any other body is a 415 saying
-    how to send it (``curl -d`` sends form data unless told otherwise)."""
+    """ASGI middleware for POST /v1/jobs: the spec comes as JSON (also with no Content-Type), or
+    as YAML (what a spec file holds; Content-Type application/yaml), passed on as JSON; any other
+    body is a 415 saying how to send it (``curl -d`` sends form data unless told otherwise)."""
 
     YAML = ("application/yaml", "application/x-yaml", "text/yaml", "text/x-yaml")
 
@@ -107,7 +109,10 @@ class SpecBody:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
-        if not ctype or ctype == "application/json" or ctype.endswith("+json"):
+        if not ctype:  # no Content-Type (python requests' data=, some scripts): read as JSON, which it is
+            scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
+            return await self.app(scope, receive, send)
+        if ctype == "application/json" or ctype.endswith("+json"):
             return await self.app(scope, receive, send)
         if ctype not in self.YAML:
             return await JSONResponse(
@@ -123,7 +128,8 @@ class SpecBody:
         except HTTPException as e:  # BodyLimit's 413, raised here outside the routes' handlers
             return await JSONResponse({"detail": e.detail}, status_code=e.status_code)(scope, receive, send)
         try:
-            data = yaml.safe_load(body.decode("utf-8"))
+            # bounded (a few hundred aliased bytes can stand for billions), and off the event loop
+            data = await run_in_threadpool(read_yaml, body.decode("utf-8"))
             text = json.dumps(data).encode()
         except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError) as e:
             return await JSONResponse({"detail": f"the body is not a YAML job spec: {e}"},

@@ -254,13 +254,19 @@ class JobManager:
         if actor is not None and not starting:
             try:
                 ray.get(actor.cancel.remote(), timeout=5)
-            except Exception:
+            except ray.exceptions.GetTimeoutError:
+                # alive but slow to answer (busy, niced, paused): the request waits in its queue and
+                # it stops at its next step boundary; its workers keep their slots until then
+                return self.get(tenant, job_id)
+            except Exception:  # it is gone
                 actor = None
         if actor is None or starting:
-            queued = job["state"] == JobState.QUEUED.value
+            steps = int(job.get("step") or 0)
+            message = ("job cancelled while queued" if job["state"] == JobState.QUEUED.value
+                       else f"job cancelled after {steps} committed steps; its scheduler was gone" if steps
+                       else "job cancelled before it ran")
             if self.store.set_state(job_id, JobState.CANCELLED):
-                self.store.add_events(job_id, [{"type": "cancelled", "message": "job cancelled while queued" if queued
-                                                else "job cancelled before it ran"}])
+                self.store.add_events(job_id, [{"type": "cancelled", "message": message}])
             if starting:  # after the state: its start's watcher finds the job ended, not failed
                 ray.kill(actor, no_restart=True)
             launch.release_placement_group(job_id)

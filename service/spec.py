@@ -453,14 +453,55 @@ def parse_spec(data: Any) -> JobSpec:
         raise SpecError(format_validation_error(e)) from None
 
 
+# A job spec holds tens of values, a few hundred with a long layer list; YAML's anchors and
+# aliases can make a few hundred bytes stand for billions ("billion laughs"), which anything that
+# walks the data (JSON, validation) would then expand.
+SPEC_MAX_VALUES = 100_000
+SPEC_MAX_DEPTH = 64
+
+
+def read_yaml(text: str) -> Any:
+    """A YAML spec's data, refused (``ValueError``, saying why) when it nests deeper than
+    ``SPEC_MAX_DEPTH`` or stands for more than ``SPEC_MAX_VALUES`` values once its aliases are
+    expanded.  Raises ``yaml.YAMLError`` for text that is not YAML."""
+    depth = deepest = 0
+    opening = text.count("[") + text.count("{")
+    for ch in text if opening > SPEC_MAX_DEPTH else "":  # flow brackets first: PyYAML takes seconds over thousands
+        if ch in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif ch in "]}":
+            depth -= 1
+    if deepest > SPEC_MAX_DEPTH:
+        raise ValueError(f"it nests deeper than {SPEC_MAX_DEPTH} levels; a job spec needs a few")
+    try:
+        data = yaml.safe_load(text)
+    except RecursionError:
+        raise ValueError(f"it nests deeper than {SPEC_MAX_DEPTH} levels; a job spec needs a few") from None
+    seen, todo = 0, [(data, 1)]
+    while todo:
+        value, depth = todo.pop()
+        seen += 1
+        if seen > SPEC_MAX_VALUES:
+            raise ValueError(f"it stands for more than {SPEC_MAX_VALUES:,} values once its aliases (*name) are "
+                             "expanded; a job spec holds a few hundred: write the values out, or use fewer aliases")
+        if depth > SPEC_MAX_DEPTH:
+            raise ValueError(f"it nests deeper than {SPEC_MAX_DEPTH} levels; a job spec needs a few")
+        if isinstance(value, dict):
+            todo.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            todo.extend((v, depth + 1) for v in value)
+    return data
+
+
 def load_spec(path: str | Path) -> JobSpec:
     p = Path(path)
     if not p.is_file():
         raise SpecError(f"spec file {str(p)!r} does not exist")
     text = p.read_text()
     try:
-        data = json.loads(text) if p.suffix == ".json" else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError) as e:
+        data = json.loads(text) if p.suffix == ".json" else read_yaml(text)
+    except (yaml.YAMLError, json.JSONDecodeError, ValueError, RecursionError) as e:
         raise SpecError(f"{p} is not valid {'JSON' if p.suffix == '.json' else 'YAML'}: {e}") from None
     if not isinstance(data, dict):
         raise SpecError(f"{p} must hold a mapping of spec fields (name, model, data, ...), not {type(data).__name__}")

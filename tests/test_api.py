@@ -171,6 +171,36 @@ def test_cancel_running_job_stops_its_workers(server, ray_session):
     assert names() == []
 
 
+def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_it_in_order(server, ray_session):
+    """A scheduler that answers the cancel late (here: paused with SIGSTOP for 8 s, as a busy or
+    niced one would be) is not taken for a dead one: the job is not marked cancelled "before it
+    ran" with its workers' slots released under them; it stops at a step boundary once the
+    scheduler reads the request."""
+    from actors import launch
+
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=small_spec("slow-sched", steps=100000)).json()
+        wait_state(c, job["id"], {"RUNNING"})
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        pid = ray_session.get(launch.find_scheduler(job["id"]).__ray_call__.remote(lambda actor: os.getpid()))
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            r = c.post(f"/v1/jobs/{job['id']}/cancel", timeout=30)
+            assert r.status_code == 200 and r.json()["state"] == "RUNNING", r.text  # asked, not yet stopped
+            assert time.monotonic() - t0 < 8
+            time.sleep(max(0.0, 8 - (time.monotonic() - t0)))
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        done = wait_state(c, job["id"], {"CANCELLED", "FAILED"}, timeout=60)
+        events = c.get(f"/v1/jobs/{job['id']}/events").json()
+    assert done["state"] == "CANCELLED", events
+    assert events[-1]["type"] == "cancelled" and "failed" not in [e["type"] for e in events], events
+    assert events[-1]["message"] == f"job cancelled after {done['step']} committed steps", events[-1]
+
+
 def test_server_restart_mid_job(ray_session, tmp_path):
     s = Server(tmp_path, ray_session.get_runtime_context().gcs_address).start()
     try:
@@ -310,6 +340,18 @@ def test_odd_numbers_types_and_bodies_are_4xx_with_what_to_change(server):
         assert r.status_code == 400 and "not a YAML job spec" in r.json()["detail"]
         r = post("name: odd\nmodel: {kind: mlp}\n", ctype="application/yaml")
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "data"]
+        # "billion laughs": 9 levels of 9 aliases, 400 bytes standing for 9^9 values; before, it held
+        # the server's event loop (and every other request) while its memory grew past 5 GB
+        laughs = "a: &a [lol,lol,lol,lol,lol,lol,lol,lol,lol]\n" + "".join(
+            f"{b}: &{b} [*{a},*{a},*{a},*{a},*{a},*{a},*{a},*{a},*{a}]\n" for a, b in zip("abcdefgh", "bcdefghi"))
+        t0 = time.monotonic()
+        r = post(laughs, ctype="application/yaml")
+        assert r.status_code == 400 and "more than 100,000 values once its aliases" in r.json()["detail"], r.text
+        assert time.monotonic() - t0 < 5
+        r = post("a: " + "[" * 5000 + "]" * 5000, ctype="application/yaml")  # was a RecursionError: a 500
+        assert r.status_code == 400 and "nests deeper than 64 levels" in r.json()["detail"], r.text
+        r = c.post("/v1/jobs", content=body.replace('"steps": 6', '"steps": true').encode())  # no Content-Type
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "training", "steps"], r.text
         for route in ("events?after=", "output?after=", "metrics?after_step="):
             r = c.get(f"/v1/jobs/no-such-job/{route}{2**63}")
             assert r.status_code == 422, (route, r.text)
