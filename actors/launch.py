@@ -26,7 +26,7 @@ def connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> boo
         rayconnect.init(ray_address, **kwargs)  # a ray:// address: Ray's token, and a refusal explained
         return True
     # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
-    ray.init(address="local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
+    rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
     return True
 
 

@@ -72,17 +72,17 @@ class JobManager:
             rayconnect.init(address, namespace=NAMESPACE)  # sends Ray's token; a refusal says why, at once
             return
         if address:
-            ray.init(address=address, **kwargs)
+            rayconnect.init(address, **kwargs)
             return
         # The embedded default: a local Ray started as its own process (`ray start --head`),
         # so jobs keep training while this server restarts; stop it with `ray stop`.
         try:
-            ray.init(address="auto", **kwargs)
+            rayconnect.init("auto", **kwargs)
             return
         except ConnectionError:
             pass
         start_local_ray(self.settings.local_cpus)
-        ray.init(address="auto", **kwargs)
+        rayconnect.init("auto", **kwargs)
 
     def ray_ok(self) -> bool:
         import ray

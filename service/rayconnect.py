@@ -19,6 +19,7 @@ Addresses other than ``ray://`` go to ``ray.init`` unchanged.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -154,13 +155,32 @@ def check_client(address: str) -> AuthConfig:
     return cfg
 
 
+# Ray puts the folder a driver starts in on every worker's import path, ahead of the installed
+# packages: a user's actors.py or service.py there took the place of relaytrain's own packages
+# in every job's processes (their jobs failed: "No module named 'actors.scheduler'"). The driver
+# starts Ray from the folder that holds relaytrain's packages instead.
+ENGINE_ROOT = str(Path(__file__).resolve().parents[1])
+
+
+@contextlib.contextmanager
+def _from_engine_root():
+    here = os.getcwd()
+    os.chdir(ENGINE_ROOT)
+    try:
+        yield
+    finally:
+        os.chdir(here)
+
+
 def init(address: Optional[str], **init_kwargs) -> None:
-    """``ray.init(address=address, **init_kwargs)``; for a ``ray://`` address, checked first and
-    its failures explained (a ``RayConnectError``)."""
+    """``ray.init(address=address, **init_kwargs)`` as relaytrain's drivers connect (from
+    ``ENGINE_ROOT``); for a ``ray://`` address, checked first and its failures explained (a
+    ``RayConnectError``)."""
     import ray
 
     if not (address and address.startswith(CLIENT_SCHEME)):
-        ray.init(address=address, **init_kwargs)
+        with _from_engine_root():
+            ray.init(address=address, **init_kwargs)
         return
     cfg = check_client(address)
     for attempt in range(1, CLIENT_ATTEMPTS + 1):

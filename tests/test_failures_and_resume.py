@@ -133,15 +133,21 @@ def test_resume_without_checkpoint_is_a_clear_error(ray_session, tmp_path):
 
 
 def test_cli_run_end_to_end(ray_session, tmp_path):
-    """`relaytrain run` as a user runs it, against the session's cluster by address."""
+    """`relaytrain run` as a user runs it, against the session's cluster by address, from a folder
+    that holds files named like relaytrain's packages (a user's actors.py and service.py): Ray
+    puts the folder a driver starts in on its workers' import path, where they took the place of
+    relaytrain's own (every job failed: "No module named 'actors.scheduler'")."""
+    (tmp_path / "actors.py").write_text("print('my own actors')\n")
+    (tmp_path / "service.py").write_text("print('my own service')\n")
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(
         "name: cli-job\nmodel: {kind: mlp, args: {hidden: 32, layers: 2}}\ndata: {kind: digits}\n"
         "training: {global_batch_size: 32, microbatch_size: 8, steps: 6}\nparallelism: {pp: 2}\n")
     address = ray_session.get_runtime_context().gcs_address
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out),
-                        "--ray-address", address], capture_output=True, text=True, timeout=240)
+    relaytrain = os.path.join(os.path.dirname(sys.executable), "relaytrain")  # the console script
+    p = subprocess.run([relaytrain, "run", "job.yaml", "--out", "out", "--ray-address", address], cwd=tmp_path,
+                       capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stderr
     assert "SUCCEEDED: 6 steps" in p.stdout
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
