@@ -350,11 +350,12 @@ def _logs(client, args):
     ev_after = out_after = 0
     tail = args.tail  # the first round only, as `tail -f -n N`
     while True:
-        ended = JobState(client.job(args.job)["state"]).is_terminal  # read before the lines: none is missed
+        # read before the lines: none is missed; a server restarting meanwhile is waited for
+        ended = JobState(client.patiently(client.job, args.job)["state"]).is_terminal
         lines = []
         while True:  # everything new, a page at a time
-            events = client.events(args.job, ev_after) if args.source in ("all", "events") else []
-            output = client.output(args.job, out_after) if args.source in ("all", "output") else []
+            events = client.patiently(client.events, args.job, ev_after) if args.source in ("all", "events") else []
+            output = client.patiently(client.output, args.job, out_after) if args.source in ("all", "output") else []
             if not events and not output:
                 break
             ev_after = events[-1]["id"] if events else ev_after

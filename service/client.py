@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -126,10 +127,34 @@ class Client:
         """The whole model as one model.pt (the server assembles it; 409 above its limit)."""
         return self.download(f"/v1/jobs/{job_id}/model", dest)
 
+    # what following a job (``wait``, ``relaytrain logs -f``) sits out: the server restarting
+    # (jobs train on meanwhile) or a proxy in front of it answering 502-504
+    PATIENCE_S = float(os.environ.get("RELAYTRAIN_FOLLOW_PATIENCE_S", "300"))
+
+    def patiently(self, call, *args, **kwargs):
+        """``call(*args, **kwargs)``, tried again for up to ``PATIENCE_S`` seconds while the
+        server cannot be reached; says so once on stderr."""
+        deadline, told = time.monotonic() + self.PATIENCE_S, False
+        while True:
+            try:
+                out = call(*args, **kwargs)
+            except ApiError as e:
+                if e.status not in (0, 502, 503, 504) or time.monotonic() > deadline:
+                    raise
+                if not told:
+                    print(f"relaytrain: {e}; trying again for up to {self.PATIENCE_S:.0f} s (the job goes on "
+                          "without the server)", file=sys.stderr, flush=True)
+                    told = True
+                time.sleep(2.0)
+                continue
+            if told:
+                print("relaytrain: the server answers again", file=sys.stderr, flush=True)
+            return out
+
     def wait(self, job_id: str, on_update=None, poll: float = 1.0) -> dict:
         terminal = {"SUCCEEDED", "FAILED", "CANCELLED"}
         while True:
-            job = self.job(job_id)
+            job = self.patiently(self.job, job_id)
             if on_update:
                 on_update(job)
             if job["state"] in terminal:

@@ -209,6 +209,11 @@ def test_server_restart_mid_job(ray_session, tmp_path):
             deadline = time.monotonic() + 60
             while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
+        # a user following the job's log sits the restart out (it exited 1 on the first refused poll)
+        follower = subprocess.Popen([sys.executable, "-m", "api.cli", "logs", "-f", job["id"], "--source", "events"],
+                                    env={**os.environ, "RELAYTRAIN_TOKEN": ALICE, "RELAYTRAIN_SERVER": s.url},
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(2)
         s.kill()
         time.sleep(3)  # the job trains on with no API server
         s.start()
@@ -220,6 +225,10 @@ def test_server_restart_mid_job(ray_session, tmp_path):
             steps = [r["step"] for r in c.get(f"/v1/jobs/{job['id']}/metrics").json()]
             assert steps == list(range(1, 151))
             got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
+        out, err = follower.communicate(timeout=60)
+        assert follower.returncode == 0, err
+        assert "trying again" in err and "the server answers again" in err, err
+        assert out.count(" finished ") == 1 and out.count(" started ") == 1, out  # every line once
         want, _ = reference.train(parse_spec(small_spec("survivor", steps=150)))
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
