@@ -139,8 +139,10 @@ class CheckpointWriter:
     def _failed(self, step: int, e: BaseException) -> None:
         self.failures += 1
         reason = _reason(e)
+        goes_on = ("training goes on" if self.failures < self.max_failures
+                   else "the job stops: checkpoint.max_failures is reached")
         self.record.event("checkpoint_failed", f"checkpoint of step {step} failed ({self.failures} in a row, "
-                                               f"the job fails at {self.max_failures}): {reason}; training goes on",
+                                               f"the job fails at {self.max_failures}): {reason}; {goes_on}",
                           step=step, failures=self.failures, reason=reason)
         if self.failures >= self.max_failures:
             raise JobFailure(f"{self.failures} checkpoints in a row could not be written to {self.root} "

@@ -187,6 +187,7 @@ def test_a_job_whose_storage_is_gone_fails_after_max_failures_in_a_row(durable_s
         fails = [e for e in _events(c, job["id"]) if e["type"] == "checkpoint_failed"]
         assert [e["failures"] for e in fails] == [1, 2]
         assert "training goes on" in fails[0]["message"]
+        assert "the job stops: checkpoint.max_failures is reached" in fails[1]["message"]  # not "goes on"
 
 
 # ---------------------------------------------------------------- relaytrain run, in the foreground
