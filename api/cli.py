@@ -539,7 +539,11 @@ def main(argv=None) -> int:
     _local_commands(sub)
     _remote_commands(sub)
     args = ap.parse_args(argv)
-    return args.fn(args)
+    try:
+        return args.fn(args)
+    except BrokenPipeError:  # `relaytrain status JOB | head -1`: the reader has what it wanted
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        return 1
 
 
 if __name__ == "__main__":
