@@ -227,6 +227,17 @@ def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) ->
     return dataclasses.replace(t, skips=facts)
 
 
+def _other_arguments(layer: nn.Module) -> list:
+    """The parameters of ``layer.forward`` after its first (those a pipeline leaves unset)."""
+    import inspect
+
+    try:
+        params = list(inspect.signature(layer.forward).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
 def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
     metas, flops, io, saved = [], [], [], []
     from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
@@ -252,6 +263,11 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                     hint = ("; a pipeline calls each layer with one tensor, the output of the layer before: wrap a "
                             "layer that takes more (nn.MultiheadAttention takes query, key and value) in a module "
                             "whose forward(x) calls it and returns one tensor")
+                elif more := _other_arguments(layers[i]):
+                    hint = (f"; a pipeline calls each layer with one tensor (the output of the layer before) and "
+                            f"nothing for its other arguments ({', '.join(more)}): if it needs them (a transformers "
+                            "block needs position_embeddings or an attention mask), wrap it in a module whose "
+                            "forward(x) makes them and calls it")
                 given = "" if i == 0 else f", given an input of shape {tuple(inp.shape)} {inp.dtype},"
                 raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
                                  f"{x.dtype}): layer {i} ({type(layers[i]).__name__}){given} raised "

@@ -203,6 +203,19 @@ def test_a_layer_that_takes_several_tensors_is_told_to_be_wrapped():
     assert "wrap a layer that takes more (nn.MultiheadAttention takes query, key and value)" in str(e.value)
 
 
+def test_a_block_that_needs_its_optional_arguments_is_told_to_be_wrapped():
+    """A transformers decoder layer straight in the Sequential: it takes the hidden states and,
+    optionally, position embeddings and a mask, and fails without them (found by a user trial
+    with LlamaDecoderLayer: "cannot unpack non-iterable NoneType object", nothing more)."""
+    s = parse_spec(spec_with(model={"builder": "userpkg.models:decoder_layer_as_an_entry"},
+                             data={"builder": "userpkg.data:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert "layer 1 (DecoderLayerLike), given an input of shape (8, 8) torch.float32, raised TypeError" in str(e.value)
+    assert ("nothing for its other arguments (attention_mask, position_ids, position_embeddings): if it needs them "
+            "(a transformers block needs position_embeddings or an attention mask), wrap it") in str(e.value)
+
+
 def test_model_and_data_do_not_fit():
     s = parse_spec(spec_with(data={"builder": "userpkg.data:build"}))  # 8 features into a 64-input MLP
     with pytest.raises(SpecError, match=r"the model fails on a microbatch of the data \(x of shape \(8, 8\)"):
