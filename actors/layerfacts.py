@@ -15,6 +15,7 @@ import traceback
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from actors.output import OutputTap
 from service import planner
 from service.spec import JobSpec, SpecError
 
@@ -54,10 +55,11 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
             ray.cancel(ref, force=True)
             raise JobCancelled("job cancelled while its model was traced")
     try:
-        kind, out, detail = ray.get(ref)
+        kind, out, detail, printed = ray.get(ref)
     except ray.exceptions.RayError as e:  # its process died (out of memory, killed)
         raise JobFailure(f"the pre-flight check of the model was lost: {type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}", detail=str(e)) from None
+    OutputTap.install().put(printed)  # what the user's code printed: the job's log, as the scheduler's
     if kind == "spec":
         raise SpecError(out)
     if kind == "error":
@@ -66,10 +68,18 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
 
 
 def _learn_task(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
-    """The Ray task of :func:`learn_for_job`: ("ok", Layers, ""), ("spec", message, "") or
-    ("error", "Type: message", traceback).  Its process serves later jobs too, so the user's
-    modules it imported (from the job's folder or ``search``) are forgotten after the trace:
-    the next job imports its own code afresh, as its workers do."""
+    """The Ray task of :func:`learn_for_job`: (kind, what, detail, printed): ("ok", Layers, ""),
+    ("spec", message, "") or ("error", "Type: message", traceback), and the lines the user's code
+    printed meanwhile.  Its process serves later jobs too, so the user's modules it imported
+    (from the job's folder or ``search``) are forgotten after the trace: the next job imports its
+    own code afresh, as its workers do."""
+    tap = OutputTap.install()
+    tap.take()  # nothing of an earlier job's
+    kind, out, detail = _traced(spec, search, gpu)
+    return kind, out, detail, tap.take()
+
+
+def _traced(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
     import ray
 
     from service import loading  # noqa: F401  (the engine's modules stay imported)

@@ -86,6 +86,15 @@ class OutputTap:
                     self._dropped += 1
                 self._lines.append((now, tee._name, line[: self.max_line]))
 
+    def put(self, lines: list) -> None:
+        """Keep lines another process printed on this one's behalf ((time, stream, text) each, as
+        :meth:`take` gives them): the model's trace, run in a task (actors/layerfacts.py)."""
+        with self._lock:
+            for line in lines:
+                if len(self._lines) == self._lines.maxlen:
+                    self._dropped += 1
+                self._lines.append(tuple(line))
+
     def take(self) -> list[tuple[float, str, str]]:
         """The lines kept since the last call: (unix time, "stdout" | "stderr", text)."""
         with self._lock:
