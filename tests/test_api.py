@@ -151,13 +151,19 @@ def test_submit_with_user_code_follow_and_download_model(server):
         assert c.get(f"/v1/jobs/{job['id']}/logs", params={"source": "stdout"}).status_code == 422
 
 
+def running_job(c, name: str) -> dict:
+    """A long job submitted through ``c``, once it has committed 2 steps."""
+    job = c.post("/v1/jobs", json=small_spec(name, steps=100000)).json()
+    wait_state(c, job["id"], {"RUNNING"})
+    deadline = time.monotonic() + 60
+    while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return job
+
+
 def test_cancel_running_job_stops_its_workers(server, ray_session):
     with server.client() as c:
-        job = c.post("/v1/jobs", json=small_spec("to-cancel", steps=100000)).json()
-        wait_state(c, job["id"], {"RUNNING"})
-        deadline = time.monotonic() + 60
-        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        job = running_job(c, "to-cancel")
         r = c.post(f"/v1/jobs/{job['id']}/cancel")
         assert r.status_code == 200
         done = wait_state(c, job["id"], {"CANCELLED"}, timeout=30)
@@ -179,11 +185,7 @@ def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_i
     from actors import launch
 
     with server.client() as c:
-        job = c.post("/v1/jobs", json=small_spec("slow-sched", steps=100000)).json()
-        wait_state(c, job["id"], {"RUNNING"})
-        deadline = time.monotonic() + 60
-        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
+        job = running_job(c, "slow-sched")
         pid = ray_session.get(launch.find_scheduler(job["id"]).__ray_call__.remote(lambda actor: os.getpid()))
         os.kill(pid, signal.SIGSTOP)
         try:
