@@ -80,20 +80,21 @@ class OutputTap:
             tee._partial = rest
             now = time.time()
             for line in lines:
-                if line.startswith(RAY_MARKERS):
-                    continue
-                if len(self._lines) == self._lines.maxlen:
-                    self._dropped += 1
-                self._lines.append((now, tee._name, line[: self.max_line]))
+                if not line.startswith(RAY_MARKERS):
+                    self._keep((now, tee._name, line[: self.max_line]))
+
+    def _keep(self, entry: tuple) -> None:
+        """Keep one (time, stream, text) line, counting the oldest one it pushes out (lock held)."""
+        if len(self._lines) == self._lines.maxlen:
+            self._dropped += 1
+        self._lines.append(entry)
 
     def put(self, lines: list) -> None:
         """Keep lines another process printed on this one's behalf ((time, stream, text) each, as
         :meth:`take` gives them): the model's trace, run in a task (actors/layerfacts.py)."""
         with self._lock:
             for line in lines:
-                if len(self._lines) == self._lines.maxlen:
-                    self._dropped += 1
-                self._lines.append(tuple(line))
+                self._keep(tuple(line))
 
     def take(self) -> list[tuple[float, str, str]]:
         """The lines kept since the last call: (unix time, "stdout" | "stderr", text)."""
