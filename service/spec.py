@@ -306,6 +306,17 @@ class CheckpointSpec(_Strict):
     max_failures: StrictInt = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
                                                    "written (each failure is a checkpoint_failed event)")
 
+    @field_validator("path")
+    @classmethod
+    def _file_urls_are_absolute(cls, v: str) -> str:
+        # file://ckpt would be a folder relative to whichever process writes (the server's,
+        # a scheduler's working directory), not the one the user meant: say which form to use
+        if v.lower().startswith("file://") and not v[len("file://"):].startswith("/"):
+            rest = v[len("file://"):]
+            raise ValueError(f"{v!r}: a file:// URL takes an absolute path (file:///abs/path, three slashes); "
+                             f"for a folder relative to the working directory write {rest!r} without file://")
+        return v
+
 
 class RestartSpec(_Strict):
     max: StrictInt = Field(0, ge=0, description="how many times the job is restarted from its newest complete checkpoint "

@@ -333,3 +333,13 @@ def test_preemptible_without_checkpoints_says_to_set_them():
         parse_spec(spec_with(scheduling__preemptible=True))
     ok = parse_spec(spec_with(scheduling__preemptible=True, checkpoint__every_steps=5, scheduling__priority=3))
     assert ok.scheduling.preemptible and ok.scheduling.priority == 3
+
+
+def test_a_relative_file_url_for_checkpoints_says_which_form_to_use():
+    """file://ckpt would land relative to whichever process writes, not where the user ran from."""
+    with pytest.raises(SpecError, match=r"checkpoint.path.*'file://ckpt': a file:// URL takes an absolute path "
+                                        r"\(file:///abs/path, three slashes\); for a folder relative to the working "
+                                        r"directory write 'ckpt' without file://"):
+        parse_spec(spec_with(checkpoint__every_steps=5, checkpoint__path="file://ckpt"))
+    for ok in ("file:///data/ckpt", "ckpt", "./ckpt", "/abs/ckpt", "s3://bucket/ckpt"):
+        assert parse_spec(spec_with(checkpoint__every_steps=5, checkpoint__path=ok)).checkpoint.path == ok
