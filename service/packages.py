@@ -34,7 +34,9 @@ def check_zip(data: bytes, max_bytes: int) -> None:
                 raise PackageError(f"the zip holds an unsafe path {name!r}; paths must stay inside the folder")
             total += info.file_size
         if total > max(max_bytes, len(data)) * MAX_EXPANSION:
-            raise PackageError(f"the zip expands to {total} bytes, too large for its size")
+            raise PackageError(f"the zip expands to {total} bytes, over the limit of "
+                               f"{max(max_bytes, len(data)) * MAX_EXPANSION} ({MAX_EXPANSION}x the upload limit of "
+                               f"{max_bytes} bytes); leave data and checkpoints out of the code package")
 
 
 def save(data: bytes, root: Path, max_bytes: int) -> tuple[str, str]:
