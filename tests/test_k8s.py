@@ -220,3 +220,31 @@ def test_job_size_ceiling_matches_the_autoscaling_groups():
     assert float(settings["RELAYTRAIN_CLUSTER_MAX_CPUS"]) == cpus
     assert float(settings["RELAYTRAIN_CLUSTER_MAX_GPUS"]) == gpus
     assert float(settings["RELAYTRAIN_START_TIMEOUT_S"]) >= 300  # room for new pods to start
+
+
+def test_the_image_copies_every_package_the_project_installs():
+    """`pip install .` in the image installs what setuptools finds among the folders it was given:
+    a package left out of the COPY lines is missing on every pod (relaytrain/, which the workers
+    import, was)."""
+    found = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = sorted(p.name for p in ROOT.iterdir() if p.is_dir() and any(p.glob("*.py"))
+                      and any(re.fullmatch(pat.replace("*", ".*"), p.name) for pat in found))
+    assert {"service", "actors", "api", "relaytrain"} <= set(packages)
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", (K8S / "Dockerfile").read_text(), re.M))
+    assert [p for p in packages if p not in copied] == []
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_ray_pod_can_write_under_the_control_planes_home(folder):
+    """A submitted job with a local checkpoint.path (examples/digits_mlp.yaml, k8s/README.md's first
+    job) writes under the control plane's RELAYTRAIN_HOME from the Ray pods, whose user (ray)
+    cannot create that folder in the image: each Ray container mounts a volume there."""
+    objs = objects(folder)
+    home = the(objs, "ConfigMap")["data"]["RELAYTRAIN_HOME"]
+    cluster = the(objs, "RayCluster")
+    spec = cluster["spec"]
+    for template in [spec["headGroupSpec"]["template"]] + [g["template"] for g in spec["workerGroupSpecs"]]:
+        volumes = {v["name"]: v for v in template["spec"].get("volumes", [])}
+        for c in template["spec"]["containers"]:
+            [mount] = [m for m in c.get("volumeMounts", []) if m["mountPath"] == home]
+            assert mount["name"] in volumes and not mount.get("readOnly"), c["name"]
