@@ -20,7 +20,7 @@ from api.cluster import ClusterScheduler
 from api.errors import Conflict, Invalid, NotFound, TooMany
 from api.models import FinalModel
 from service import checkpoint, logtext, packages, rayconnect, restarts
-from service.loading import check_structure
+from service.loading import check_builtin_spec
 from service.names import NAMESPACE
 from service.settings import Settings
 from service.spec import JobSpec, SpecError
@@ -28,6 +28,7 @@ from service.states import JobState
 from service.store import Store
 
 log = logging.getLogger("relaytrain.jobs")
+_PREFLIGHT = threading.Lock()  # the server's checks of built-in specs, one at a time
 
 
 def start_local_ray(cpus: Optional[int]) -> None:
@@ -130,8 +131,9 @@ class JobManager:
                           "runtime_env.working_dir: upload the code with POST /v1/packages and set "
                           "runtime_env.working_dir to the uri it returns (relaytrain submit does both)")
         if not spec.uses_imports:
-            try:  # built-ins only (no user code runs here), on the meta device (no memory)
-                check_structure(spec)
+            try:  # built-ins only (no user code runs here), the model on the meta device (no memory);
+                with _PREFLIGHT:  # one at a time: a trace pushes torch's dispatch modes and RNG state
+                    check_builtin_spec(spec)
             except SpecError as e:
                 raise Invalid(str(e)) from None
         try:

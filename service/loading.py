@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib
+import inspect
 import sys
 import traceback
 from collections import OrderedDict
@@ -57,16 +58,29 @@ def import_object(path: str, field: str, search: Sequence[str] = ()) -> Any:
 
 
 def _call_builder(fn: Callable, kwargs: dict, field: str) -> Any:
+    """``fn(**kwargs)``: args it does not take are named as such; anything it raises is "the
+    builder raised", with the traceback for user code (a built-in's says nothing more)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin or an extension type without a signature
+        sig = None
+    if sig is not None:
+        try:
+            sig.bind(**kwargs)
+        except TypeError as e:
+            named = [p.name for p in sig.parameters.values()
+                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "search"]
+            raise SpecError(f"{field}: the builder does not accept these args {sorted(kwargs)}: {e} "
+                            f"(it takes {', '.join(named) if named else 'no args'})") from None
     try:
         return fn(**kwargs)
-    except TypeError as e:
-        if "argument" in str(e):
-            raise SpecError(f"{field}: the builder does not accept these args {sorted(kwargs)}: {e}") from None
-        raise SpecError(f"{field}: the builder raised TypeError: {e}\n{traceback.format_exc()}") from None
     except SpecError:
         raise
     except Exception as e:
-        raise SpecError(f"{field}: the builder raised {type(e).__name__}: {e}\n{traceback.format_exc()}") from None
+        if sig is None and isinstance(e, TypeError) and "argument" in str(e):
+            raise SpecError(f"{field}: the builder does not accept these args {sorted(kwargs)}: {e}") from None
+        where = "" if ".kind=" in field else f"\n{traceback.format_exc()}"  # a built-in's own frames help nobody
+        raise SpecError(f"{field}: the builder raised {type(e).__name__}: {e}{where}") from None
 
 
 def layer_seed(seed: int, i: int) -> int:
@@ -468,6 +482,18 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
     return t
+
+
+def check_builtin_spec(spec: JobSpec) -> None:
+    """What the API server checks of a spec naming only built-ins (no user code runs there):
+    everything ``preflight`` checks, the data too (a batch larger than the data, args a
+    builder does not take), except data read from files (``tokens``), which are on the
+    cluster's disks: for those the job's own pre-flight there reads them."""
+    kinds = {spec.data.kind, spec.eval.data.kind if spec.eval is not None else None}
+    if "tokens" in kinds:
+        check_structure(spec)
+    else:
+        preflight(spec)
 
 
 def check_tensor_plans(rec: "ModelRecipe", tp: int) -> None:

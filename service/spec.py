@@ -471,6 +471,15 @@ SPEC_MAX_VALUES = 100_000
 SPEC_MAX_DEPTH = 64
 
 
+class _SpecLoader(yaml.SafeLoader):
+    """YAML's safe loader without its dates: ``name: 2024-01-01`` is the string a spec means."""
+
+
+_SpecLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+
+
 def read_yaml(text: str) -> Any:
     """A YAML spec's data, refused (``ValueError``, saying why) when it nests deeper than
     ``SPEC_MAX_DEPTH`` or stands for more than ``SPEC_MAX_VALUES`` values once its aliases are
@@ -486,7 +495,7 @@ def read_yaml(text: str) -> Any:
     if deepest > SPEC_MAX_DEPTH:
         raise ValueError(f"it nests deeper than {SPEC_MAX_DEPTH} levels; a job spec needs a few")
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_SpecLoader)
     except RecursionError:
         raise ValueError(f"it nests deeper than {SPEC_MAX_DEPTH} levels; a job spec needs a few") from None
     seen, todo = 0, [(data, 1)]
@@ -502,6 +511,9 @@ def read_yaml(text: str) -> Any:
             todo.extend((v, depth + 1) for v in value.values())
         elif isinstance(value, list):
             todo.extend((v, depth + 1) for v in value)
+        elif not isinstance(value, (str, int, float, bool, type(None))):  # !!binary, !!set, an explicit !!timestamp
+            raise ValueError(f"it holds a {type(value).__name__} ({str(value)[:60]!r}), which a job spec has no use "
+                             "for: write strings, numbers, true/false, lists and mappings")
     return data
 
 

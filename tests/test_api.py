@@ -277,6 +277,9 @@ def test_idempotent_retry_returns_the_same_job(server):
         again = c.post("/v1/jobs", json=small_spec("once", steps=2), headers={"Idempotency-Key": "k-123"})
         assert first.status_code == 201 and again.status_code == 200
         assert again.json()["id"] == first.json()["id"]
+        for _ in range(2):  # an empty key was taken as none to look up, then stored: the second was a 500
+            empty = c.post("/v1/jobs", json=small_spec("once", steps=2), headers={"Idempotency-Key": ""})
+            assert empty.status_code == 422 and empty.json()["detail"][0]["loc"] == ["header", "idempotency-key"]
         assert c.get("/v1/jobs").json()["total"] == before + 1
         wait_state(c, first.json()["id"], {"SUCCEEDED"})
 
@@ -406,6 +409,22 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
         assert "global_batch_size (30) must be a multiple of" in r.json()["detail"][0]["msg"]
         r = c.post("/v1/jobs", json=small_spec(parallelism={"pp": 9}))
         assert r.status_code == 422 and "parallelism.pp is 9 but the model has only 3 layers" in r.json()["detail"]
+        # the data and the builders' args of a built-ins-only spec are checked here too (they were
+        # accepted, queued, and failed once admitted)
+        r = c.post("/v1/jobs", json=small_spec(training={"global_batch_size": 4096, "microbatch_size": 8, "steps": 1}))
+        assert r.status_code == 422 and r.json()["detail"] == (
+            "data.kind=digits gave 1797 samples, fewer than training.global_batch_size (4096); lower the batch size "
+            "or give more data")
+        r = c.post("/v1/jobs", json=small_spec(data={"kind": "digits", "args": {"n": 5}}))
+        assert r.status_code == 422 and r.json()["detail"] == (
+            "data.kind=digits: the builder does not accept these args ['n']: got an unexpected keyword argument 'n' "
+            "(it takes no args)")
+        r = c.post("/v1/jobs", json=small_spec(model={"kind": "mlp", "args": {"hidden": -3}}))
+        assert r.status_code == 422 and r.json()["detail"] == ("model.kind=mlp: the builder raised RuntimeError: Trying "
+                                                               "to create tensor with negative dimension -3: [-3, 64]")
+        r = c.post("/v1/jobs", json=small_spec(model={"kind": "mlp", "args": {"hidden": "big"}}))
+        assert r.status_code == 422 and r.json()["detail"].startswith("model.kind=mlp: the builder raised TypeError: ")
+        assert "Traceback" not in r.text
         r = c.post("/v1/jobs", json=small_spec(parallelism={"dp": 4, "pp": 3}))
         assert r.status_code == 422 and "needs 12 CPU slots" in r.json()["detail"]
         r = c.post("/v1/jobs", json=small_spec(model={"builder": "userpkg.models:build"}))

@@ -343,3 +343,16 @@ def test_a_relative_file_url_for_checkpoints_says_which_form_to_use():
         parse_spec(spec_with(checkpoint__every_steps=5, checkpoint__path="file://ckpt"))
     for ok in ("file:///data/ckpt", "ckpt", "./ckpt", "/abs/ckpt", "s3://bucket/ckpt"):
         assert parse_spec(spec_with(checkpoint__every_steps=5, checkpoint__path=ok)).checkpoint.path == ok
+
+
+def test_yaml_dates_stay_strings_and_other_non_json_values_are_named():
+    """`name: 2024-01-01` is the string a user means (it was a date, and a 400 "Object of type date
+    is not JSON serializable"); YAML's other types a spec has no use for are named."""
+    from service.spec import read_yaml
+
+    assert read_yaml("name: 2024-01-01\nseed: 7\n") == {"name": "2024-01-01", "seed": 7}
+    assert parse_spec(spec_with(name=read_yaml("name: 2024-01-01")["name"])).name == "2024-01-01"
+    for text, kind in [("a: !!binary aGVsbG8=", "bytes"), ("a: !!set {x}", "set"), ("a: !!timestamp 2001-12-14", "date")]:
+        with pytest.raises(ValueError, match=rf"it holds a {kind} \(.*\), which a job spec has no use for: write "
+                                             "strings, numbers, true/false, lists and mappings"):
+            read_yaml(text)

@@ -20,7 +20,7 @@ ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}}
              responses={200: {"model": JobOut, "description": "an earlier job with the same Idempotency-Key"},
                         401: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}})
 def submit_job(spec: JobSpec, manager: ManagerDep, tenant: TenantDep, response: Response,
-               idempotency_key: Annotated[Optional[str], Header(max_length=255)] = None) -> JobOut:
+               idempotency_key: Annotated[Optional[str], Header(min_length=1, max_length=255)] = None) -> JobOut:
     """Submit a job spec; it starts at once when the cluster scheduler admits it, else it is
     QUEUED with its place and reason (GET /v1/cluster shows the queue). A retried POST with the same
     Idempotency-Key returns the first job (200) instead of starting a second."""
