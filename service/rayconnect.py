@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -176,6 +178,26 @@ def init(address: Optional[str], **init_kwargs) -> None:
     """``ray.init(address=address, **init_kwargs)`` as relaytrain's drivers connect (from
     ``ENGINE_ROOT``); for a ``ray://`` address, checked first and its failures explained (a
     ``RayConnectError``)."""
+    with _keeping_sigterm():
+        _init(address, **init_kwargs)
+
+
+@contextlib.contextmanager
+def _keeping_sigterm():
+    """``ray.init`` in the main thread sets a SIGTERM handler that calls ``sys.exit``: in
+    ``relaytrain serve`` that replaced uvicorn's (a graceful shutdown) with two tracebacks and
+    exit 15 on every Kubernetes rollout. A handler the process had set is put back; where
+    there was none, Ray's stays (``relaytrain run``'s cleanup runs on that ``SystemExit``)."""
+    main = threading.current_thread() is threading.main_thread()
+    before = signal.getsignal(signal.SIGTERM) if main else None
+    try:
+        yield
+    finally:
+        if main and callable(before):
+            signal.signal(signal.SIGTERM, before)
+
+
+def _init(address: Optional[str], **init_kwargs) -> None:
     import ray
 
     if not (address and address.startswith(CLIENT_SCHEME)):
