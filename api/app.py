@@ -107,10 +107,13 @@ class SpecBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/jobs":
             return await self.app(scope, receive, send)
+        scope["relaytrain.route"] = "/v1/jobs"  # for the metrics, when this answers before the router does
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if not ctype:  # no Content-Type (python requests' data=, some scripts): read as JSON, which it is
-            scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
+            # in place, not a copy: the router writes the matched route into this scope, where the
+            # metrics middleware outside reads it (a copy counted these requests as "unmatched")
+            scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
             return await self.app(scope, receive, send)
         if ctype == "application/json" or ctype.endswith("+json"):
             return await self.app(scope, receive, send)
@@ -134,8 +137,8 @@ class SpecBody:
         except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError) as e:
             return await JSONResponse({"detail": f"the body is not a YAML job spec: {e}"},
                                       status_code=400)(scope, receive, send)
-        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
-                     + [(b"content-type", b"application/json"), (b"content-length", str(len(text)).encode())])
+        scope["headers"] = ([(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
+                            + [(b"content-type", b"application/json"), (b"content-length", str(len(text)).encode())])
         sent = False
 
         async def as_json():
@@ -190,7 +193,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
             status = response.status_code
             return response
         finally:
-            path = getattr(request.scope.get("route"), "path", "unmatched")
+            path = getattr(request.scope.get("route"), "path", None) or request.scope.get("relaytrain.route", "unmatched")
             tel = request.app.state.telemetry
             tel.requests.labels(request.method, path, str(status)).inc()
             tel.latency.labels(request.method, path).observe(time.perf_counter() - t0)

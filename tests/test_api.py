@@ -568,3 +568,24 @@ def test_a_route_that_raises_is_a_500_the_metrics_count(tmp_path):
         assert tc.get("/boom").status_code == 500
         text = tc.get("/metrics").text
     assert 'relaytrain_http_requests_total{method="GET",route="/boom",status="500"} 1.0' in text
+
+
+def test_yaml_submits_are_counted_under_their_route(tmp_path):
+    """A YAML body is read before the router runs (and refused there when it is not YAML): its
+    requests were counted as route "unmatched"."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    app = create_app(Settings(home=tmp_path, api_tokens=f"alice:{ALICE}"), connect_ray=False)
+    auth = {"Authorization": f"Bearer {ALICE}"}
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        assert tc.post("/v1/jobs", content=b"name: [", headers={**auth, "Content-Type": "application/yaml"}).status_code == 400
+        r = tc.post("/v1/jobs", content=b"name: x\n", headers={**auth, "Content-Type": "application/yaml"})
+        assert r.status_code == 422
+        assert tc.post("/v1/jobs", content=b"{}", headers={**auth, "Content-Type": "text/plain"}).status_code == 415
+        text = tc.get("/metrics").text
+    for status in (400, 422, 415):
+        assert f'relaytrain_http_requests_total{{method="POST",route="/v1/jobs",status="{status}"}} 1.0' in text, text
+    assert 'route="unmatched"' not in text
