@@ -138,12 +138,21 @@ DEFAULT_SERVER = "http://127.0.0.1:8000"
 
 
 def _serve(args) -> int:
+    from pydantic import ValidationError
+
     from service.auth import TokenError, is_loopback, load_tokens, load_weights
     from service.settings import Settings
 
     over = {k: v for k, v in {"host": args.host, "port": args.port, "ray_address": args.ray_address,
                               "db": args.db, "local_cpus": args.local_cpus}.items() if v is not None}
-    settings = Settings(**over)
+    try:
+        settings = Settings(**over)
+    except ValidationError as e:  # one line per setting, named as it is set
+        for err in e.errors():
+            name = "_".join(str(x) for x in err["loc"])
+            where = f"--{name.replace('_', '-')}" if name in over else f"RELAYTRAIN_{name.upper()}"
+            print(f"relaytrain serve: {where}={err.get('input')!s}: {err['msg']}", file=sys.stderr)
+        return 2
     try:
         tokens = load_tokens(settings.api_tokens, settings.tokens_file)
         load_weights(settings.api_tokens, settings.tokens_file, settings.tenant_weights, settings.weights_file)

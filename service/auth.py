@@ -53,9 +53,16 @@ def _weight(value, tenant: str, where: str) -> float:
     return w
 
 
-def parse_tokens(text: str, source: str = "RELAYTRAIN_API_TOKENS") -> dict[str, str]:
-    """token -> tenant."""
-    return {token: tenant for tenant, token, _ in _entries(text, source)}
+def parse_tokens(text: str, source: str = "RELAYTRAIN_API_TOKENS", known: Optional[dict[str, str]] = None
+                 ) -> dict[str, str]:
+    """token -> tenant (with ``known``'s, from another source, checked against these)."""
+    out = dict(known or {})
+    for tenant, token, _ in _entries(text, source):
+        if out.get(token, tenant) != tenant:  # the later tenant silently took it
+            raise TokenError(f"{source}: tenants {out[token]!r} and {tenant!r} are given the same token; each "
+                             "tenant needs a token of its own")
+        out[token] = tenant
+    return out
 
 
 def load_tokens(env_value: str, tokens_file: Optional[Path]) -> dict[str, str]:
@@ -64,7 +71,7 @@ def load_tokens(env_value: str, tokens_file: Optional[Path]) -> dict[str, str]:
         p = Path(tokens_file)
         if not p.is_file():
             raise TokenError(f"tokens file {p} does not exist")
-        tokens.update(parse_tokens(p.read_text(), str(p)))
+        tokens = parse_tokens(p.read_text(), str(p), known=tokens)
     return tokens
 
 

@@ -25,8 +25,8 @@ class Settings(BaseSettings):
     home: Path = Field(default_factory=default_home, description="data folder: SQLite store, packages, checkpoints")
     api_tokens: str = Field("", description="'tenant:token,tenant2:token2'")
     tokens_file: Optional[Path] = Field(None, description="file of 'tenant:token' lines")
-    max_body_bytes: int = Field(1 << 20, description="largest JSON request body")
-    max_package_bytes: int = Field(100 << 20, description="largest uploaded code package")
+    max_body_bytes: int = Field(1 << 20, ge=1024, description="largest JSON request body")
+    max_package_bytes: int = Field(100 << 20, ge=1024, description="largest uploaded code package")
     max_active_jobs_per_tenant: int = Field(32, ge=1, description="QUEUED, PENDING, RUNNING or RESHAPING jobs per tenant")
     reconcile_seconds: float = Field(10.0, gt=0, description="how often jobs are checked against their actors")
     cluster_max_cpus: Optional[float] = Field(

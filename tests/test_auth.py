@@ -17,6 +17,8 @@ def test_parse_env_and_file(tmp_path):
     ("alice", "entry 1 is not 'tenant:token'"),
     (f"alice:{T1},:{T2}", "entry 2 is not 'tenant:token'"),
     ("alice:short", "shorter than 16 characters"),
+    (f"alice:{T1},bob:{T1}", "RELAYTRAIN_API_TOKENS: tenants 'alice' and 'bob' are given the same token; each tenant "
+                             "needs a token of its own"),  # bob silently had it
 ])
 def test_malformed_tokens(text, message):
     with pytest.raises(TokenError, match=message):
@@ -98,3 +100,28 @@ def test_serve_refuses_bad_weights_in_one_line(tmp_path):
     assert p.returncode == 2
     assert "relaytrain serve: RELAYTRAIN_API_TOKENS: entry 1: the weight of tenant 'alice' must be a positive" in p.stderr
     assert "Traceback" not in p.stderr
+
+
+def test_one_token_for_two_tenants_across_the_env_and_the_file_is_refused(tmp_path):
+    f = tmp_path / "tokens"
+    f.write_text(f"bob:{T1}\n")
+    with pytest.raises(TokenError, match=f"{f}: tenants 'alice' and 'bob' are given the same token"):
+        load_tokens(f"alice:{T1}", f)
+    f.write_text(f"alice:{T1}\n")  # the same tenant twice is no conflict
+    assert load_tokens(f"alice:{T1}", f) == {T1: "alice"}
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"RELAYTRAIN_QUEUE_POLICY": "lottery"},
+     "relaytrain serve: RELAYTRAIN_QUEUE_POLICY=lottery: Input should be 'elastic', 'fair' or 'fifo'"),
+    ({"RELAYTRAIN_MAX_BODY_BYTES": "-5"},
+     "relaytrain serve: RELAYTRAIN_MAX_BODY_BYTES=-5: Input should be greater than or equal to 1024"),
+])
+def test_serve_refuses_bad_settings_in_one_line_naming_the_variable(tmp_path, env, line):
+    import os
+    import subprocess
+    import sys
+
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve"], capture_output=True, text=True, timeout=60,
+                       env={**os.environ, **env, "RELAYTRAIN_HOME": str(tmp_path)})
+    assert p.returncode == 2 and p.stderr.strip() == line and "Traceback" not in p.stderr
