@@ -15,7 +15,8 @@ import httpx
 class ApiError(RuntimeError):
     def __init__(self, status: int, detail: Any):
         self.status, self.detail = status, detail
-        super().__init__(f"HTTP {status}: {format_detail(detail)}")
+        # status 0: no HTTP answer at all (the server is not reachable): the detail says so alone
+        super().__init__(f"HTTP {status}: {format_detail(detail)}" if status else format_detail(detail))
 
 
 def format_detail(detail: Any) -> str:

@@ -202,6 +202,8 @@ def api(tmp_path, monkeypatch):
     store = Store(settings.db_url)
     store.create_job("run-1", "alice", {"name": "run-1", "training": {"steps": 30}})
     store.create_job("fresh-1", "alice", {"name": "fresh-1", "training": {"steps": 30}})
+    store.create_job("failed-1", "alice", {"name": "failed-1", "training": {"steps": 30}})
+    store.update_job("failed-1", state="FAILED")
     for step in (11, 12, 13):
         store.put_timeline("run-1", timeline.record(step, shape(), fake_workers()))
     store.update_job("run-1", step=13)
@@ -231,6 +233,9 @@ def test_timeline_route_answers_and_refuses_clearly(api):
     assert get(api, "/v1/jobs/run-1/timeline", step="x").status_code == 422
     r = get(api, "/v1/jobs/fresh-1/timeline")
     assert r.status_code == 404 and "no measured timeline yet" in r.json()["detail"]
+    r = get(api, "/v1/jobs/failed-1/timeline")  # "yet" told a user to wait for a job that had ended
+    assert r.status_code == 404 and r.json()["detail"] == ("job failed-1 has no measured timeline: it ended (FAILED) "
+                                                           "before any step committed")
     assert get(api, "/v1/jobs/nope/timeline").json() == {"detail": "no job 'nope'"}
     assert get(api, "/v1/jobs/run-1/timeline", token="bob-token-0123456789abc").status_code == 404
     assert get(api, "/v1/jobs/run-1/timeline", token="").status_code == 401

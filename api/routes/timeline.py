@@ -10,6 +10,7 @@ from api.errors import NotFound
 from api.jobs import JobManager
 from api.schemas import ErrorOut, TimelineOut
 from service import timeline
+from service.states import JobState
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}, 422: {"model": ErrorOut}}
@@ -21,7 +22,10 @@ def _view(manager: JobManager, tenant: str, job_id: str, step: Optional[int]) ->
     job = manager.get(tenant, job_id)
     kept = manager.store.timeline_steps(job_id)
     if not kept:
-        raise NotFound(f"job {job_id} has no measured timeline yet: none of its steps has committed"
+        ended = JobState(job["state"]).is_terminal
+        raise NotFound(f"job {job_id} has no measured timeline: it ended ({job['state']}) before any step committed"
+                       if job["step"] == 0 and ended else
+                       f"job {job_id} has no measured timeline yet: none of its steps has committed"
                        if job["step"] == 0 else f"job {job_id} kept no timeline of its steps")
     if step is not None and step not in kept:
         beyond = f"job {job_id} has {job['steps']} steps" if step > job["steps"] else f"step {step} of job {job_id} is not kept"
