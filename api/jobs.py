@@ -139,6 +139,7 @@ class JobManager:
         try:
             launch.check_fits(spec, self.settings.cluster_max_cpus, self.settings.cluster_max_gpus)
             path = spec.checkpoint.path
+            restarts.check_local_root(spec, self.settings.home, self.settings.checkpoint_roots.split(":"))
             if spec.checkpoint.every_steps and restarts.is_url(path):  # a local folder is the server's own
                 restarts.check_storage(path)
         except SpecError as e:

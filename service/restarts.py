@@ -6,12 +6,13 @@ gone, and start a new scheduler that resumes from the newest complete checkpoint
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
-from service.spec import JobSpec
+from service.spec import JobSpec, SpecError
 
 URL_RE = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
@@ -36,6 +37,27 @@ def checkpoint_root(spec: JobSpec, *, home: Optional[Path] = None, tenant: str =
         return f"{path.rstrip('/')}/{tenant}/{job_id}"
     base = Path(path) if Path(path).is_absolute() else Path(home) / "checkpoints"
     return str(base / tenant / job_id)
+
+
+def check_local_root(spec: JobSpec, home: Path, allowed: Sequence[str] = ()) -> None:
+    """A submitted job's local ``checkpoint.path`` lies under the server's data folder (a
+    relative path always does) or one of the folders ``allowed`` (the operator's
+    ``RELAYTRAIN_CHECKPOINT_ROOTS``): a tenant must not have the service write wherever its user
+    may (``/etc``, another tenant's folders). Raises ``SpecError`` saying what to use."""
+    path = spec.checkpoint.path
+    if not spec.checkpoint.every_steps or is_url(path) and not path.lower().startswith("file://"):
+        return
+    local = Path(path[len("file://"):] if path.lower().startswith("file://") else path)
+    if not local.is_absolute():
+        return
+    target = Path(os.path.normpath(local))
+    roots = [Path(os.path.normpath(Path(home).resolve())), *(Path(os.path.normpath(r)) for r in allowed if r)]
+    if any(target == r or r in target.parents for r in roots):
+        return
+    raise SpecError(f"checkpoint.path {path!r} is outside the folders this server lets jobs write to "
+                    f"({', '.join(str(r) for r in roots)}); use a relative path (it lands under the server's data "
+                    "folder), s3://bucket/prefix, or ask the operator to add the folder to "
+                    "RELAYTRAIN_CHECKPOINT_ROOTS")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,8 @@ class Settings(BaseSettings):
                                                 "in the tokens")
     weights_file: Optional[Path] = Field(None, description="YAML or JSON mapping of tenant to weight")
     local_cpus: Optional[int] = Field(None, description="CPU slots of the local Ray this server starts")
+    checkpoint_roots: str = Field("", description="absolute folders, separated by ':', where submitted jobs may write "
+                                                  "local checkpoints besides the data folder (a shared mount)")
 
     @property
     def db_url(self) -> str:

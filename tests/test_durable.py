@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import threading
 import time
 
@@ -65,6 +66,19 @@ def test_checkpoint_roots(tmp_path):
     assert restarts.checkpoint_root(rel, home=tmp_path, tenant="t", job_id="j") == str(tmp_path / "checkpoints/t/j")
     none = parse_spec(spec_dict("d", 10, "ckpt", every=0))
     assert restarts.checkpoint_root(none) is None
+
+
+def test_a_submitted_jobs_local_checkpoints_stay_under_the_folders_the_server_allows(tmp_path):
+    """A tenant could name /etc (or another tenant's folder) and have the service write there."""
+    home = tmp_path / "home"
+    for ok in ("ckpt", "./a/b", f"{home}/mine", f"file://{home}/mine", "s3://bucket/x", "/shared/ck/team"):
+        restarts.check_local_root(parse_spec(spec_dict("d", 10, ok)), home, ["/shared/ck"])
+    restarts.check_local_root(parse_spec(spec_dict("d", 10, "/etc", every=0)), home)  # writes no checkpoints
+    for bad in ("/etc", f"{home}/../elsewhere", "file:///etc", "/shared/ckpt"):
+        with pytest.raises(SpecError, match=rf"checkpoint.path '{re.escape(bad)}' is outside the folders this server "
+                                            rf"lets jobs write to \({re.escape(str(home))}, /shared/ck\); use a "
+                                            "relative path .*RELAYTRAIN_CHECKPOINT_ROOTS"):
+            restarts.check_local_root(parse_spec(spec_dict("d", 10, bad)), home, ["/shared/ck"])
 
 
 def test_bad_restarts_and_paths_are_spec_errors():
