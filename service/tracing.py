@@ -133,8 +133,11 @@ def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: in
 
     mode = FakeTensorMode(allow_non_fake_inputs=True) if on_meta else contextlib.nullcontext()
     dtypes, recorder, stashers = [], _Recorder(skip.Tracker()), {}
+    # built on the meta device, then given fake CPU tensors: a builder that calls .to(dtype),
+    # .double() or .float() fails when it builds inside FakeTensorMode ("Couldn't swap")
+    layers = _on_fake_cpu(layers_on("meta"), mode) if on_meta else None
     with mode, skip.use_tracker(recorder):
-        layers = layers_on("cpu")
+        layers = layers if on_meta else layers_on("cpu")
         h = mode.from_tensor(x) if on_meta else x
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             for i in range(count):
@@ -148,6 +151,28 @@ def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: in
                     stashers.setdefault(key, i)
     # (stasher layer, name) -> the skip tensor's dtype under autocast
     return dtypes, {(stashers[key], key[1]): meta[1] for key, meta in recorder.metas.items()}
+
+
+def _on_fake_cpu(layers: dict[int, nn.Module], mode) -> dict[int, nn.Module]:
+    """``layers`` (on the meta device) with every parameter and buffer a fake CPU tensor of the
+    same shape and dtype (no storage); a tensor shared by several modules (a tied weight) stays
+    one tensor."""
+    cpu, made = torch.device("cpu"), {}
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            f = mode.fake_tensor_converter.from_meta_and_device(mode, t.detach(), cpu)
+            made[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        return made[id(t)]
+
+    with mode:
+        for layer in layers.values():
+            for mod in layer.modules():
+                for table in (mod._parameters, mod._buffers):
+                    for name, t in list(table.items()):
+                        if t is not None and t.device.type == "meta":
+                            table[name] = fake(t)
+    return layers
 
 
 def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,

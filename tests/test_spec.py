@@ -356,3 +356,15 @@ def test_yaml_dates_stay_strings_and_other_non_json_values_are_named():
         with pytest.raises(ValueError, match=rf"it holds a {kind} \(.*\), which a job spec has no use for: write "
                                              "strings, numbers, true/false, lists and mappings"):
             read_yaml(text)
+
+
+def test_bf16_preflight_of_a_builder_that_converts_its_layers_with_to():
+    """The bf16 pre-flight ran the layers in torch's FakeTensorMode, where `.to(dtype)` fails
+    ("_apply(): Couldn't swap Embedding.weight"): every builder written `make().to(dt)` was refused
+    under bf16, blaming the builder. A tied head stays tied."""
+    s = parse_spec(spec_with(model={"builder": "userpkg.layerlist:attention_stack",
+                                    "args": {"dtype": "float32", "layers": 1}},
+                             data={"kind": "chars", "args": {"context": 16}}, loss="cross_entropy",
+                             training__precision="bf16"))
+    t = preflight(s, [FIXTURES])
+    assert t.on_meta and t.metas[-1] == ((8, 16, 96), torch.bfloat16)  # the head's matmul under autocast
