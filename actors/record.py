@@ -66,8 +66,8 @@ class JobRecord:
         """A step whose gradient norm is not finite fails the job, or was skipped on every
         worker (training.skip_nonfinite): then a ``skipped_step`` event says so."""
         step, norm, loss = row["step"], row["grad_norm"], row["loss"]
-        for k in ("loss", "grad_norm"):  # JSON (and PostgreSQL's json) has no inf or nan
-            if not math.isfinite(row[k]):
+        for k in ("loss", "grad_norm", "eval_loss"):  # JSON (and PostgreSQL's json) has no inf or nan
+            if row.get(k) is not None and not math.isfinite(row[k]):
                 row[k] = None
         if row.get("skipped"):
             self.event("skipped_step", f"step {step} skipped: its gradient norm is {norm}; no parameter "

@@ -127,7 +127,7 @@ class StageWorker:
         if self.pending is not None and self.optimizer is not None:
             if self.pending == committed - 1:
                 self._update(self.pending)
-                if self.norms_update is not None:  # BatchNorm buffers move even on a skipped step, as forward does
+                if self.norms_update is not None:  # the step's BatchNorm buffer update (None when it was skipped)
                     self.norms_update()
                 self.applied = committed
             self.pending = None
@@ -578,6 +578,8 @@ class StageWorker:
             self.update = step_update(self.spec, result["grad_norm"])
             result["skipped"] = self.update[1]
             self.norms_update = self.runner.take_norm_update()
+            if result["skipped"]:  # changes nothing: BatchNorm's running statistics neither (they became NaN)
+                self.norms_update = None
             self.pending = step
             return dict(result, called=called, settled=settled, output=self.output.take())
         except BaseException as e:

@@ -103,6 +103,7 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
         idx = epoch_order(n, t.seed, e, t.shuffle)[s * b:(s + 1) * b]
         x, y = samples.batch(idx)
         opt.zero_grad()
+        kept = _norm_buffers(model) if t.skip_nonfinite else None  # a skipped step leaves them as they were
         if microbatched and t.batch_norm == "global":
             m = t.microbatch_size
             with amp():
@@ -137,6 +138,9 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
                 raise FloatingPointError(f"step {step}: the gradient norm is {norm.item()}; the step's loss is "
                                          f"{loss.item()} (set training.skip_nonfinite: true to skip such steps)")
             out["skipped"].append(step)
+            with torch.no_grad():
+                for v, was in kept:
+                    v.copy_(was)
         else:
             if t.grad_clip_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_(params, t.grad_clip_norm, norm)
@@ -145,6 +149,12 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
             out["eval"][step] = evaluate(spec, model, eval_samples, loss_fn, microbatched)
     out["params"] = {k: v.detach().clone() for k, v in model.state_dict().items()}
     return out
+
+
+def _norm_buffers(model: nn.Module) -> list:
+    """(buffer, a copy of it) for every BatchNorm's running statistics."""
+    return [(v, v.clone()) for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)
+            for v in m.buffers()]
 
 
 class _DeferredNorms:

@@ -4,6 +4,7 @@ of tests/reference.py, which has the same recipe."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -90,17 +91,31 @@ def poisoned_spec(pp: int, skip: bool, **over):
 
 
 def test_a_non_finite_step_is_skipped_on_every_worker(ray_session, tmp_path):
+    """...and moves no BatchNorm running statistics either: they had taken the step's NaN (the job
+    succeeded with a model whose eval loss was NaN from then on)."""
     from tests.conftest import FIXTURES
 
-    spec = poisoned_spec(2, skip=True)
+    spec = poisoned_spec(2, skip=True, model={"builder": "userpkg.nonfinite:model",
+                                              "args": {"poison": [64], "batch_norm": True}},
+                         eval={"every_steps": 2, "data": {"builder": "userpkg.nonfinite:data", "args": {"n": 64}}},
+                         # SGD: the bias before a BatchNorm has an exactly-zero true gradient, whose float
+                         # noise Adam would scale up to lr-sized steps in any summation order
+                         optimizer={"name": "sgd", "lr": 0.05, "momentum": 0.9})
     final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False)
     assert final["state"] == "SUCCEEDED", final.get("error")
     want = reference.run(spec, search=[str(FIXTURES)], microbatched=True)
     assert want["skipped"] == [3]
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    got = torch.load(tmp_path / "model.pt")
+    assert_same_params(got, want["params"])
+    assert all(torch.isfinite(got[k]).all() for k in ("2.running_mean", "2.running_var"))
+    assert int(got["2.num_batches_tracked"]) == 4  # 5 steps, one skipped (deferred: one update a step)
     rows = rows_of(tmp_path)
     assert [r.get("skipped", False) for r in rows] == [False, False, True, False, False]
     assert rows[2]["grad_norm"] is None and rows[2]["loss"] is None  # inf or nan: JSON has neither
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert list(evals) == [2, 4, 5] == sorted(want["eval"])
+    assert [evals[k] for k in (2, 4, 5)] == pytest.approx([want["eval"][k] for k in (2, 4, 5)], rel=1e-4)
+    assert all(math.isfinite(v) for v in evals.values())
     skipped = [e for e in final["events"] if e["type"] == "skipped_step"]
     assert [e["step"] for e in skipped] == [3] and "no parameter changed" in skipped[0]["message"]
 
