@@ -124,7 +124,10 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
 def _message(e: BaseException, limit: int = 2000) -> str:
     """The exception's whole message, as its author wrote it (a second line often says what to
     do), without trailing spaces or blank lines; cut at ``limit`` characters."""
-    text = "\n".join(ln.rstrip() for ln in str(e).strip().splitlines() if ln.strip())
+    said = str(e)
+    if isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str) and "\n" in e.args[0]:
+        said = e.args[0]  # str(KeyError) is the repr of its key: a message's lines came out as one "\n" line
+    text = "\n".join(ln.rstrip() for ln in said.strip().splitlines() if ln.strip())
     return text if len(text) <= limit else text[:limit] + f"... ({len(text) - limit} more characters in the detail)"
 
 

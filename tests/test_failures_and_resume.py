@@ -231,3 +231,14 @@ def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_
     assert run(False, [1, 2]) == [1, 2]  # not the previous run's rows and then these
     assert run(True, [3, 4]) == [1, 2, 3, 4]
     assert len(open(tmp_path / "events.jsonl").readlines()) == 2
+
+
+def test_a_multi_line_key_error_keeps_its_lines():
+    """str(KeyError) is the repr of its key: a user's two-line message came out as one line with
+    a literal backslash-n (found by a user trial)."""
+    from actors.failures import _message
+
+    said = "weird key 'a:b'\nsecond line: set foo.bar=3 to fix"
+    assert _message(KeyError(said)) == said
+    assert _message(KeyError("tok_embeddings")) == "'tok_embeddings'"  # a plain missing key, as Python shows it
+    assert _message(ValueError(said)) == said
