@@ -49,6 +49,14 @@ def observe() -> NodeView:
                     time=time.time())
 
 
+def largest_node_memory() -> float:
+    """The most memory (bytes, Ray's ``memory`` resource) an alive node with CPUs offers."""
+    import ray
+
+    return max((n["Resources"].get("memory", 0.0) for n in ray.nodes()
+                if n.get("Alive") and n["Resources"].get("CPU", 0.0) > 0), default=0.0)
+
+
 class NodeWatch:
     def __init__(self, period: float = 1.0):
         self.period = period

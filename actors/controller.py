@@ -13,7 +13,7 @@ import traceback
 from typing import Callable, Optional
 
 from actors import evaluation, layerfacts
-from actors.cluster import NodeWatch
+from actors.cluster import NodeWatch, largest_node_memory
 from actors.failures import JobCancelled, JobFailure, WorkerLost
 from actors.jobstates import Cancelled, Failed, Finishing, Preempted, Reshaping, Running, Starting, State, Succeeded
 from actors.record import JobRecord, metrics_row
@@ -138,6 +138,10 @@ class JobController:
             shape, why = d.shape, d.reason
         else:
             shape, why = self._fixed_shape(early)
+            misfit = planner.too_big_for_any_node(self.layers.facts, shape, largest_node_memory())
+            if misfit:  # before the workers build their stages (a 4 TB stage failed there, in the allocator)
+                self.group.stop_others(early.values())
+                raise SpecError(misfit)
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
         try:

@@ -206,6 +206,24 @@ class Decision:
                     s.microbatches_per_replica, "modelled_step_s": s.step_s} if s else {})}
 
 
+def too_big_for_any_node(facts: LayerFacts, shape: Shape, node_bytes: float) -> Optional[str]:
+    """Why ``shape`` cannot train on nodes of at most ``node_bytes`` of memory, or None: a worker
+    holding the model's largest chunk keeps at least its parameters and their gradients (its
+    share of them under tensor parallelism), before any optimizer state or activation. Only a
+    certain misfit is refused: the modelled peak (``shape.memory_bytes``) is an estimate."""
+    if not node_bytes:
+        return None
+    lo, hi = max(shape.bounds, key=lambda b: sum(facts.param_bytes[b[0]:b[1]]))
+    need = 2 * sum(facts.param_bytes[lo:hi]) / shape.tp
+    if need <= node_bytes:
+        return None
+    return (f"the model cannot fit on this cluster's nodes in shape {shape.label()}: the worker holding layers "
+            f"{lo}-{hi - 1} needs at least {need / 2**30:,.1f} GiB for their parameters and gradients alone "
+            f"(before optimizer state and activations), and the largest node offers {node_bytes / 2**30:,.1f} GiB "
+            "(Ray's memory resource); raise parallelism.pp (or tp) to split the model over more workers, or make "
+            "it smaller")
+
+
 def hop_seconds(transport: str, nbytes: int) -> float:
     latency, per_byte = HOP_COST[transport]
     return latency + nbytes * per_byte

@@ -3,6 +3,7 @@ checkpoints resume to the same parameters as an uninterrupted run."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -242,3 +243,22 @@ def test_a_multi_line_key_error_keeps_its_lines():
     assert _message(KeyError(said)) == said
     assert _message(KeyError("tok_embeddings")) == "'tok_embeddings'"  # a plain missing key, as Python shows it
     assert _message(ValueError(said)) == said
+
+
+def test_a_model_no_node_can_hold_fails_before_its_workers_allocate_it(ray_session, tmp_path):
+    """A built-in MLP of width 1,000,000 (4 TB of float32 parameters) failed in the workers'
+    allocator ("DefaultCPUAllocator: can't allocate memory"); now the scheduler refuses it from
+    the pre-flight's sizes, saying what to change."""
+    spec = parse_spec({"name": "huge", "model": {"kind": "mlp", "args": {"hidden": 1_000_000, "layers": 2}},
+                       "data": {"kind": "digits"}, "optimizer": {"name": "adam", "lr": 0.001},
+                       "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 2},
+                       "parallelism": {"dp": 1, "pp": 2}})
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as e:
+        run_job(spec=spec, out=str(tmp_path), progress=False, timeout=60)
+    assert re.fullmatch(r"the model cannot fit on this cluster's nodes in shape 1x2: the worker holding layers \d-\d "
+                        r"needs at least [\d,.]+ GiB for their parameters and gradients alone \(before optimizer state "
+                        r"and activations\), and the largest node offers [\d,.]+ GiB \(Ray's memory resource\); raise "
+                        r"parallelism.pp \(or tp\) to split the model over more workers, or make it smaller",
+                        str(e.value)), str(e.value)
+    assert time.monotonic() - t0 < 60

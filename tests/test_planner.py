@@ -299,3 +299,19 @@ def test_free_slots_count_whole_tp_groups_per_node():
     assert view.free_slots(1.0, 0.0) == 6
     assert view.free_slots(1.0, 0.0, group=2) == 4  # a: one group (and a CPU left over), b: none, c: one
     assert view.free_slots(1.0, 0.0, exclude={"c"}, group=2) == 2
+
+
+def test_a_stage_whose_parameters_and_gradients_exceed_every_node_is_refused_saying_what_to_change():
+    from service.planner import too_big_for_any_node
+
+    GiB = 2**30
+    facts = LayerFacts([0.01] * 4, [GiB, 3 * GiB, GiB, 0], [0] * 4)  # layer 1: 3 GiB of parameters
+    shape = model_shape(facts, 1, 2, 4)  # balanced by cost: layers 0-1 and 2-3
+    why = too_big_for_any_node(facts, shape, 6 * GiB)
+    assert why == ("the model cannot fit on this cluster's nodes in shape 1x2: the worker holding layers 0-1 needs at "
+                   "least 8.0 GiB for their parameters and gradients alone (before optimizer state and activations), "
+                   "and the largest node offers 6.0 GiB (Ray's memory resource); raise parallelism.pp (or tp) to "
+                   "split the model over more workers, or make it smaller")
+    assert too_big_for_any_node(facts, shape, 8 * GiB) is None  # only a certain misfit
+    assert too_big_for_any_node(facts, model_shape(facts, 1, 4, 4), 6 * GiB) is None  # 6 GiB for layer 1 alone
+    assert too_big_for_any_node(facts, shape, 0) is None  # no node known: nothing to say
