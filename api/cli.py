@@ -271,7 +271,9 @@ def _follow_remote(client, job: dict, quiet: bool) -> dict:
 
     def update(j):
         bar.update(j["step"] - bar.n)
-        if j.get("loss") is not None:
+        if j["state"] == "QUEUED" and j.get("queue"):  # what it waits for, not a bar stuck at 0%
+            bar.set_postfix_str(f"QUEUED #{j['queue'].get('position')}: {j['queue'].get('reason')}")
+        elif j.get("loss") is not None:
             bar.set_postfix(loss=f"{j['loss']:.4f}", samples_s=f"{j.get('samples_per_s') or 0:.0f}", state=j["state"])
 
     try:
@@ -342,8 +344,10 @@ def _cluster(client, args):
 
 @_remote
 def _events(client, args):
-    for e in client.events(args.job):
-        print(f"{e['time']:.3f} {e['type']:<10} {e['message']}")
+    from service.logtext import stamp
+
+    for e in client.events(args.job):  # dated as `logs` dates them (UTC)
+        print(f"{stamp(e['time'])} {e['type']:<10} {e['message']}")
 
 
 @_remote

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -520,6 +521,7 @@ def test_cli_on_a_failing_job(server):
     assert st.returncode == 0 and json.loads(st.stdout)["state"] == "FAILED"
     ev = cli(server, "events", job["id"])
     assert "failed" in ev.stdout and "boom from a user layer" in ev.stdout
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d submitted ", ev.stdout), ev.stdout  # dated as `logs` dates
     logs = cli(server, "logs", job["id"])
     assert "Traceback" in logs.stdout and "models.py" in logs.stdout
     # what the failing layer printed just before it raised, then the failure

@@ -3,8 +3,8 @@ checkpoints resume to the same parameters as an uninterrupted run."""
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 import time
