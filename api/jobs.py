@@ -169,7 +169,7 @@ class JobManager:
         def later():  # its checkpoint was complete before it went back to the queue
             try:
                 root = self.checkpoint_root(job)
-                newest = checkpoint.latest(root) if root else None
+                newest = checkpoint.latest(root, job["id"]) if root else None
             except Exception as e:
                 self._starting.discard(job["id"])
                 self._fail(job["id"], f"its checkpoints could not be read to resume it: {type(e).__name__}: {e}")
@@ -325,7 +325,7 @@ class JobManager:
         root, newest = self.checkpoint_root(job), None
         if root and used < spec.restarts.max and not cancelling:
             try:
-                newest = checkpoint.latest(root)
+                newest = checkpoint.latest(root, job_id)
             except Exception as e:
                 self._fail(job_id, f"{self.LOST}, and its checkpoints at {root} could not be read: "
                                    f"{type(e).__name__}: {e}")

@@ -361,7 +361,7 @@ def finish(root: str | Path, folder: str | Path, step: int, parts: list[dict], m
         shutil.rmtree(folder, ignore_errors=True)
         raise
     shutil.rmtree(old, ignore_errors=True)
-    for stale in list_checkpoints(root)[:-keep]:
+    for stale in list_checkpoints(root, meta.get("job_id"))[:-keep]:  # this job's own only
         shutil.rmtree(stale, ignore_errors=True)
     return final
 
@@ -380,12 +380,14 @@ def _finish_remote(root: Where, folder: Where, step: int, parts: list[dict], met
         remove(folder)
         raise
     found = _scan(root)
-    complete = [(s, f) for s, f, m in found if m is not None]
+    job = meta.get("job_id")
+    complete = [(s, f) for s, f, m in found if _of_job(m, job)]  # this job's own only
     kept = complete[-keep:] if keep > 0 else complete
     for _, stale in complete[:-keep] if keep > 0 else []:
         remove(stale)
-    if kept:  # parts of writes that never finished, older than any checkpoint kept
-        for s, f, m in found:
+    others = any(m is not None and not _of_job(m, job) for _, _, m in found)
+    if kept and not others:  # parts of writes that never finished, older than any checkpoint kept
+        for s, f, m in found:  # (not where another job writes: they may be its write going on)
             if m is None and s < kept[0][0]:
                 remove(f)
     return final
@@ -493,20 +495,30 @@ def step_folders(root: str | Path) -> set[int]:
     return {int(m.group(1)) for p in (root.iterdir() if root.is_dir() else []) if (m := _DIR_RE.match(p.name))}
 
 
-def list_checkpoints(root: str | Path) -> list[Where]:
-    """Complete checkpoints under ``root``, oldest first."""
+def _of_job(meta: Optional[dict], job_id: Optional[str]) -> bool:
+    """A complete checkpoint's manifest written by job ``job_id`` (any job when None)."""
+    return meta is not None and (job_id is None or meta.get("job_id") == job_id)
+
+
+def list_checkpoints(root: str | Path, job_id: Optional[str] = None) -> list[Where]:
+    """Complete checkpoints under ``root``, oldest first; with ``job_id``, only that job's.
+
+    Several jobs may write into one folder (``relaytrain run`` of two specs with the same
+    ``checkpoint.path``): a job restarts, goes back and prunes among its own checkpoints only
+    (it restarted from another job's step 60, and deleted its own as it wrote them)."""
     root = _loc(root)
     if not isinstance(root, Path):
-        return [folder for _, folder, meta in _scan(root) if meta is not None]
+        return [folder for _, folder, meta in _scan(root) if _of_job(meta, job_id)]
     if not root.is_dir():
         return []
     found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := _DIR_RE.match(p.name)) and _manifest(p) is not None]
+             if (m := _DIR_RE.match(p.name)) and _of_job(_manifest(p), job_id)]
     return [p for _, p in sorted(found)]
 
 
-def latest(root: str | Path) -> Optional[Where]:
-    found = list_checkpoints(root)
+def latest(root: str | Path, job_id: Optional[str] = None) -> Optional[Where]:
+    """The newest complete checkpoint under ``root`` (with ``job_id``: of that job)."""
+    found = list_checkpoints(root, job_id)
     return found[-1] if found else None
 
 

@@ -262,3 +262,25 @@ def test_storage_helpers():
     assert path == "b/ck" and "s3" in fs.protocol
     assert storage.fs_and_path("file:///tmp/x")[1] == "/tmp/x"
     assert "s3://bucket/prefix" in storage.usable()
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_jobs_sharing_a_folder_restart_and_prune_among_their_own_checkpoints(where, tmp_path, request):
+    """Two `relaytrain run` jobs with one checkpoint.path: the second restarted from the first's
+    step 60 (steps 21-60 never ran, yet it SUCCEEDED) and deleted its own steps 10 and 20 as it
+    wrote them, since keep counted the other job's newer ones (found by a user trial)."""
+    root = str(tmp_path / "ck") if where == "local" else f"{request.getfixturevalue('s3_bucket')}/shared"
+    w = lambda s: {"w": torch.full((2,), float(s))}  # noqa: E731
+    for step in (40, 50, 60):
+        checkpoint.save(root, step, w(step), EMPTY, {"job_id": "p"}, keep=3)
+    for step in (10, 20):
+        checkpoint.save(root, step, w(step), EMPTY, {"job_id": "q"}, keep=3)
+    assert _names(checkpoint.list_checkpoints(root, "q")) == ["step-00000010", "step-00000020"]
+    assert _names(checkpoint.list_checkpoints(root, "p")) == ["step-00000040", "step-00000050", "step-00000060"]
+    assert _names([checkpoint.latest(root, "q")]) == ["step-00000020"]
+    assert _names([checkpoint.latest(root)]) == ["step-00000060"]  # `--resume` of the folder: the newest of any
+    assert checkpoint.latest(root, "r") is None
+    for step in (30, 70):  # q goes on: its own oldest goes, p's stay
+        checkpoint.save(root, step, w(step), EMPTY, {"job_id": "q"}, keep=3)
+    assert _names(checkpoint.list_checkpoints(root, "q")) == ["step-00000020", "step-00000030", "step-00000070"]
+    assert _names(checkpoint.list_checkpoints(root, "p")) == ["step-00000040", "step-00000050", "step-00000060"]
