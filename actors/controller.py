@@ -14,7 +14,7 @@ from typing import Callable, Optional
 
 from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
-from actors.failures import JobCancelled, JobFailure, WorkerLost
+from actors.failures import JobCancelled, JobFailure, WorkerLost, cell_name
 from actors.jobstates import Cancelled, Failed, Finishing, Preempted, Reshaping, Running, Starting, State, Succeeded
 from actors.record import JobRecord, metrics_row
 from actors.reshape import Move, Reshaped, Reshaper
@@ -262,12 +262,17 @@ class JobController:
                          {"step": step, "checkpoint": path})
 
     def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:
-        self.record.event("worker_lost", f"{lost.failure} during step {step + 1}; reshaping",
-                          detail=lost.failure.detail, step=step + 1)
         abort_s = time.time() - lost.time
         t = time.time()
         move = self.reshaper.after_loss(refs, lost)
         move.phases.update(abort_s=abort_s, survey_s=time.time() - t)
+        # named after the survey: the first error to come back is often a survivor's (its peer
+        # went), and the event named that survivor as the worker lost
+        names = [cell_name(c) for c in move.lost]
+        what = (f"lost {', '.join(names)} during step {step + 1} (the first error: {lost.failure})" if names
+                else f"{lost.failure} during step {step + 1}")
+        self.record.event("worker_lost", f"{what}; reshaping", detail=lost.failure.detail, step=step + 1,
+                          workers=names)
         return Reshaping(move=move)
 
     def _commit(self, step: int, stats: dict, wall: float, eval_loss: Optional[float] = None) -> None:

@@ -46,6 +46,7 @@ class Move:
     steps_lost: int = 0
     restored_from: Optional[str] = None
     restored_step: Optional[int] = None    # the step of that copy
+    lost: tuple = ()                       # the cells found dead after a failed step (after_loss)
     committed: Optional[int] = None        # the step the new shape starts from
     phases: dict = field(default_factory=dict)  # where the reshape's seconds went
 
@@ -121,7 +122,8 @@ class Reshaper:
         self._suspect.update({n: time.monotonic() for n in nodes - up if n})
         reason = (f"lost {', '.join(cell_name(c) for c in sorted(dead))} ({lost.failure})" if dead
                   else str(lost.failure))
-        return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time)
+        return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time,
+                    lost=tuple(sorted(dead)))
 
     def off_draining(self, view) -> Optional[Move]:
         """The move off nodes that announced they are going (``view``: actors.cluster.NodeView)."""

@@ -174,3 +174,20 @@ def test_a_node_that_lost_workers_counts_again_once_dead_or_still_alive_after_a_
     now = time.monotonic()
     r._suspect = {"slow": now - SUSPECT_S - 1, "lost": now, "dead": now}
     assert r.suspect(alive={"slow", "lost"}) == {"lost"}  # "dead" is gone from the view anyway
+
+
+def test_the_lost_worker_is_named_though_a_survivors_error_came_first():
+    """The survivors' PeerLost comes back before the dead worker's own error (or without it): the
+    event named a survivor ("worker w0.0 ... raised PeerLost") as the worker lost (user trial)."""
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step()
+
+    def crash():
+        cluster.remove(group.node_of((1, 1)))
+    group.queue_step({(0, 1): peer_error(), (1, 0): peer_error()}, before=crash)
+    ctl.run()
+    assert record.state.value == "SUCCEEDED"
+    [lost] = events(record, "worker_lost")
+    assert lost["message"].startswith("lost w1.1 during step 2 (the first error: worker w0.1 at step 2 raised "), lost
+    assert lost["workers"] == ["w1.1"] and lost["message"].endswith("; reshaping")

@@ -158,7 +158,7 @@ class FakeReshaper(Reshaper):
         nodes = {self.group.node_of(c) for c in dead}
         self._suspect.update({n: time.monotonic() for n in nodes if n})
         return Move(f"lost {sorted(dead)} ({lost.failure})", keep=alive, donors=alive, exclude=nodes, forced=True,
-                    detected=lost.time)
+                    detected=lost.time, lost=tuple(sorted(dead)))
 
     def choose_copy(self, move: Move, committed: int) -> None:
         move.committed = committed
