@@ -93,6 +93,10 @@ def step_failure(errors: dict, step: Optional[int], phase: str, *, elastic: bool
     failure = worker_failure(cell_name(c), step, errors[c], phase)
     if elastic and step is not None:
         return WorkerLost(failure, lost, t_error, set(silent) - lost)
+    if lost and step is not None:  # restarts.max looked like it would cover this: say what does
+        return JobFailure(f"{failure}; a fixed-shape job stops when a worker is lost: set elastic.enabled: true "
+                          "to go on with the workers left (restarts.max restarts a job whose scheduler was lost, "
+                          "not one that lost a worker)", detail=failure.detail)
     return failure
 
 

@@ -191,3 +191,17 @@ def test_the_lost_worker_is_named_though_a_survivors_error_came_first():
     [lost] = events(record, "worker_lost")
     assert lost["message"].startswith("lost w1.1 during step 2 (the first error: worker w0.1 at step 2 raised "), lost
     assert lost["workers"] == ["w1.1"] and lost["message"].endswith("; reshaping")
+
+
+def test_a_fixed_shape_job_that_loses_a_worker_says_what_would_have_kept_it_going():
+    """restarts.max covers a lost scheduler, not a lost worker: a user who set it for spot nodes
+    read only "died (its process or node was lost)" (user trial)."""
+    from actors.failures import step_failure
+
+    failure = step_failure({(1, 1): died(), (0, 1): peer_error()}, 1, "", elastic=False, t_error=0.0)
+    assert str(failure).startswith("worker w1.1 at step 2 died"), str(failure)
+    assert str(failure).endswith("; a fixed-shape job stops when a worker is lost: set elastic.enabled: true to go "
+                                 "on with the workers left (restarts.max restarts a job whose scheduler was lost, not "
+                                 "one that lost a worker)")
+    user = step_failure({(1, 1): user_error(ValueError("boom"))}, 1, "", elastic=False, t_error=0.0)
+    assert "fixed-shape" not in str(user)  # a user's error is only that
