@@ -75,9 +75,10 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
     workers = spec.elastic.min_workers if spec.elastic.enabled else spec.parallelism.dp * spec.parallelism.pipeline_workers
     need_cpu = workers * spec.resources.cpus_per_worker
     if need_cpu > res.get("CPU", 0):
+        what = "elastic.min_workers (its smallest shape)" if spec.elastic.enabled else "parallelism.dp x parallelism.pp"
         raise SpecError(f"the job needs {need_cpu:g} CPU slots ({workers} workers x "
                         f"{spec.resources.cpus_per_worker:g}) but the cluster has {res.get('CPU', 0):g}; "
-                        "lower parallelism.dp x parallelism.pp or resources.cpus_per_worker, or add nodes")
+                        f"lower {what} or resources.cpus_per_worker, or add nodes")
     gpus = spec.resources.gpus_per_worker or 0
     if gpus and workers * gpus > res.get("GPU", 0):
         raise SpecError(f"the job needs {workers * gpus:g} GPUs but the cluster has {res.get('GPU', 0):g}; "

@@ -435,6 +435,10 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
         assert "Traceback" not in r.text
         r = c.post("/v1/jobs", json=small_spec(parallelism={"dp": 4, "pp": 3}))
         assert r.status_code == 422 and "needs 12 CPU slots" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=small_spec(parallelism={"dp": 4, "pp": 3},
+                                               elastic={"enabled": True, "min_workers": 12, "max_workers": 16}))
+        assert r.status_code == 422 and "needs 12 CPU slots" in r.json()["detail"]
+        assert "lower elastic.min_workers (its smallest shape)" in r.json()["detail"]  # not dp x pp: it does not apply
         r = c.post("/v1/jobs", json=small_spec(model={"builder": "userpkg.models:build"}))
         assert r.status_code == 422 and "POST /v1/packages" in r.json()["detail"]
         r = c.post("/v1/jobs", json=small_spec(runtime_env={"working_dir": "gcs://_ray_pkg_" + "0" * 64 + ".zip"}))
