@@ -65,7 +65,7 @@ from actors.failures import StageAborted, talking_to_peers
 from actors.globalnorm import Lockstep
 from service import replicas as replicas_
 from service import schedules
-from service.loading import forward_seed
+from service.loading import cross_entropy_sum, forward_seed
 from service import tracing
 from service.tracing import changes_input_in_place, norms_of
 from relaytrain import skip
@@ -279,6 +279,7 @@ class StepRunner:
         self.parts = parts or {cell.chunks[0]: stage}
         self.params = {vs: [q for q in part.parameters() if q.requires_grad] for vs, part in self.parts.items()}
         self.loss_fn, self.scale, self.ties = loss_fn, scale, ties  # ties: actors/ties.TiedGrads
+        self.counted: Optional[int] = None  # this step's counted targets (``run``), when the loss is their mean
         self.recipe = recipe
         # the parameters whose gradients count in the model's norm: a tie's copies but its first
         # name's are left out (one parameter), and only replica 0 counts (the replicas agree)
@@ -318,7 +319,11 @@ class StepRunner:
         self.norm_update = None  # the step's BatchNorm update, applied at its commit (take_norm_update)
         self.blocks = self._blocks()  # the step's actions as they run (the cell's list is fixed)
 
-    def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool]) -> dict:
+    def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool],
+            counted: Optional[int] = None) -> dict:
+        """``counted``: the step's counted targets when the loss is a mean over them
+        (service/loading.py ``counted_targets``); None: each microbatch's mean scaled by mbs / B."""
+        self.counted = counted
         c, tr, reduce = self.cell, self.tr, self.reduce
         t_begin = time.time()
         with talking_to_peers(f"starting step {step + 1}"):
@@ -435,8 +440,15 @@ class StepRunner:
         part = (t1 - t0) / len(block)
         return [(t0 + k * part, t0 + (k + 1) * part) for k in range(len(block))]
 
+    def _loss(self, out: torch.Tensor, y: torch.Tensor, counted: Optional[int]) -> torch.Tensor:
+        """A microbatch's share of its batch's loss: its mean scaled by mbs / B, or with
+        ``counted`` (the batch's counted targets) its sum over its counted targets / ``counted``."""
+        if counted is None:
+            return self.loss_fn(out, y) * self.scale
+        return cross_entropy_sum(out, y) / counted
+
     def evaluate(self, step: int, xs: Optional[list], ys: Optional[list], batches: int,
-                 aborted: Callable[[], bool]) -> dict:
+                 aborted: Callable[[], bool], counted: Optional[list] = None) -> dict:
         """Forwards only, with no gradients and the layers in eval mode, of this replica's
         microbatches of ``batches`` evaluation batches (``xs[b][j]``, ``ys[b][j]``), pipelined
         like a step's forwards: each of the worker's chunks in model order, over every
@@ -477,7 +489,8 @@ class StepRunner:
                         with self._autocast(), skip.use_tracker(tracker):
                             out = self.parts[vs](inp)
                             if vs == c.virtual - 1:
-                                loss_sum += (self.loss_fn(out, ys[b][j]).double() * self.scale).cpu()
+                                loss_sum += (self._loss(out, ys[b][j], counted[b] if counted else None)
+                                             .double()).cpu()
                         t1 = time.time()
                         self._send_skips(vs, step, g, "evalskip", self.portals.stashed(vs, tracker), skips)
                         timeline.append((f"{vs}E{g}", t0, t1))
@@ -579,7 +592,7 @@ class StepRunner:
         with self._autocast(), skip.use_tracker(tracker):
             out = self._compute(vs, inp, step, g)
             if last:
-                out = self.loss_fn(out, ys[a.mb]) * self.scale
+                out = self._loss(out, ys[a.mb], self.counted)
         if not last and out._is_view():  # a split backward detaches its output in place, which a view refuses
             out = out.clone()
         return out, self.portals.stashed(vs, tracker)

@@ -43,7 +43,7 @@ from actors.transport import Inbox
 from actors.ties import TiedGrads
 from actors.wiring import Wiring, rendezvous_address
 from service import checkpoint, lazydynamo, shards
-from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, model_recipe
+from service.loading import ModelRecipe, build_data, build_loss, build_optimizer, counted_targets, model_recipe
 from service.replicas import stage_of
 from service.recipe import check_precision, lr_at, needs_global_norm, step_update
 from service.sampling import microbatches, step_indices
@@ -529,6 +529,18 @@ class StageWorker:
         idx = idx[c.mb0 * self.mbs:(c.mb0 + c.m) * self.mbs]
         return microbatches(self.samples, idx, self.mbs, c.first, c.last, self.device)
 
+    def _counted(self, step: int, ys: list) -> Optional[int]:
+        """The step's counted targets over the whole global batch (every replica's), when the
+        loss is their mean (service/loading.py ``counted_targets``): from this worker's own
+        microbatches when they are the whole batch (dp 1), else read from the data."""
+        if self.spec.loss != "cross_entropy":
+            return None
+        if self.cell.m * self.mbs == self.B:
+            return counted_targets(self.spec, torch.cat([y.reshape(-1) for y in ys]))
+        t = self.spec.training
+        return counted_targets(self.spec, self.samples.targets(step_indices(step, len(self.samples), self.B, t.seed,
+                                                                            t.shuffle)))
+
     def run_step(self, step: int) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
         all-reduce the gradients, and leave the update pending until step is committed.
@@ -572,7 +584,8 @@ class StageWorker:
             CollectiveBytes.take_failure()
             if self.tp is not None:
                 CollectiveBytes.take()
-            result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None)
+            counted = self._counted(step, ys) if self.cell.last else None
+            result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None, counted=counted)
             if self.tp is not None:  # what the layers' collectives moved this step (this rank's payload)
                 result["tp_bytes"], result["tp_collectives"] = CollectiveBytes.take()
             self.update = step_update(self.spec, result["grad_norm"])
@@ -614,8 +627,10 @@ class StageWorker:
         try:
             CollectiveBytes.take_failure()
             xs, ys = self._eval_batches()
+            counted = ([counted_targets(self.spec, self.eval_samples.targets(torch.arange(b * self.B, (b + 1) * self.B)))
+                        for b in range(self.spec.eval.batches)] if self.cell.last else None)
             result = self.runner.evaluate(committed, xs, ys, self.spec.eval.batches,
-                                          aborted=lambda: self._aborted is not None)
+                                          aborted=lambda: self._aborted is not None, counted=counted)
             return dict(result, output=self.output.take())
         except BaseException as e:
             lost = self._as_peer_loss(e)

@@ -357,6 +357,28 @@ def cross_entropy(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(pred, target)
 
 
+IGNORE_INDEX = -100  # F.cross_entropy's: a target equal to it (padding) is not counted
+
+
+def cross_entropy_sum(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The sum of cross entropy over the counted targets (not ``IGNORE_INDEX``)."""
+    if pred.dim() > 2:
+        return F.cross_entropy(pred.reshape(-1, pred.shape[-1]), target.reshape(-1), reduction="sum")
+    return F.cross_entropy(pred, target, reduction="sum")
+
+
+def counted_targets(spec: JobSpec, targets: torch.Tensor) -> Optional[int]:
+    """How many of a batch's ``targets`` count, when the built-in cross entropy leaves some out
+    (``IGNORE_INDEX``, HF-style padding): its loss is then the mean over the batch's counted
+    targets, each microbatch's sum divided by this count, whatever the microbatch size (a
+    mean per microbatch scaled by mbs / B weighed a microbatch of 19 counted tokens as one of
+    44). None when every target counts (or another loss): the mean per microbatch scaled by mbs / B."""
+    if spec.loss != "cross_entropy" or targets.is_floating_point():
+        return None
+    n = int((targets != IGNORE_INDEX).sum())
+    return None if n == targets.numel() else n
+
+
 def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(pred, target.reshape(pred.shape).to(pred.dtype))
 

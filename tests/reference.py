@@ -35,7 +35,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from service import builtins
-from service.loading import Samples, build_data, build_loss, build_optimizer, forward_seed, import_object
+from service.loading import (Samples, build_data, build_loss, build_optimizer, counted_targets, cross_entropy_sum,
+                             forward_seed, import_object)
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 from service.tracing import norms_of
@@ -114,10 +115,12 @@ def run(spec: JobSpec, steps: int | None = None, search=(), microbatched: bool =
         elif microbatched:
             m, loss = t.microbatch_size, torch.zeros(())
             deferred_norms = _DeferredNorms(model) if t.batch_norm == "deferred" else None
+            counted = counted_targets(spec, y)  # padding (-100): the mean over the batch's counted targets
             for j in range(0, b, m):
                 with amp():
-                    part = loss_fn(forward(model, x[j:j + m], t.activation_checkpointing, (t.seed, step, j // m)),
-                                   y[j:j + m]) * (m / b)
+                    pred = forward(model, x[j:j + m], t.activation_checkpointing, (t.seed, step, j // m))
+                    part = (loss_fn(pred, y[j:j + m]) * (m / b) if counted is None
+                            else cross_entropy_sum(pred, y[j:j + m]) / counted)
                 part.backward()
                 loss = loss + part.detach()
             if deferred_norms is not None:
@@ -242,7 +245,11 @@ def evaluate(spec: JobSpec, model: nn.Sequential, samples: Samples, loss_fn, mic
             for i in range(spec.eval.batches):
                 x, y = samples.batch(torch.arange(i * b, (i + 1) * b))
                 with amp():
-                    if microbatched:
+                    counted = counted_targets(spec, y)
+                    if microbatched and counted is not None:
+                        loss = sum(cross_entropy_sum(model(x[j:j + m]), y[j:j + m]).float() / counted
+                                   for j in range(0, b, m))
+                    elif microbatched:
                         loss = sum(loss_fn(model(x[j:j + m]), y[j:j + m]).float() * (m / b) for j in range(0, b, m))
                     else:
                         loss = loss_fn(model(x), y)

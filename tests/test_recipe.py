@@ -168,3 +168,37 @@ def test_a_resume_in_another_shape_follows_the_schedule_and_equals_one_process(r
     assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"][5:], rel=1e-4)
     assert {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r} == pytest.approx(
         {k: v for k, v in want["eval"].items() if k > 5}, rel=1e-4)
+
+
+def padded_spec(dp: int, pp: int, mbs: int, schedule: str = "1f1b"):
+    return parse_spec({
+        "name": f"padded-{dp}x{pp}-{mbs}", "model": {"builder": "userpkg.padded:model"},
+        "data": {"builder": "userpkg.padded:data"}, "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.5, "momentum": 0.9},
+        "training": {"global_batch_size": 16, "microbatch_size": mbs, "steps": 4, "seed": 3, "shuffle": True},
+        "eval": {"every_steps": 2, "data": {"builder": "userpkg.padded:data", "args": {"n": 32, "seed": 1}}},
+        "parallelism": {"dp": dp, "pp": pp, "schedule": schedule, "transport": "collective"}})
+
+
+@pytest.mark.parametrize("dp, pp, mbs, schedule", [(2, 2, 2, "1f1b"), (1, 2, 4, "zb_h1")])
+def test_padded_targets_train_on_the_mean_over_the_batchs_counted_tokens(ray_session, tmp_path, dp, pp, mbs, schedule):
+    """Targets of -100 (HF-style padding) are not counted by cross entropy: each microbatch's mean
+    over its own counted tokens, scaled by mbs / B, weighed a microbatch of 19 counted tokens as
+    one of 44, so the objective changed with the microbatch size and was not what one process
+    computes on the whole batch (found by a user trial with GPT-2 blocks). The loss is now the
+    mean over the global batch's counted tokens, in every shape and microbatch size."""
+    from tests.conftest import FIXTURES
+
+    spec = padded_spec(dp, pp, mbs, schedule)
+    whole = reference.run(padded_spec(1, 1, 16), search=[str(FIXTURES)])  # one forward of each batch
+    for mbs in (2, 4):  # the one-process microbatched loop: the same objective
+        again = reference.run(padded_spec(1, 1, mbs), search=[str(FIXTURES)], microbatched=True)
+        assert again["losses"] == pytest.approx(whole["losses"], rel=1e-12)
+        assert_same_params(again["params"], whole["params"])
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False)
+    assert final["state"] == "SUCCEEDED", final.get("error")
+    assert_same_params(torch.load(tmp_path / "model.pt"), whole["params"])
+    rows = rows_of(tmp_path)
+    assert [r["loss"] for r in rows] == pytest.approx(whole["losses"], rel=1e-10)
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    assert [evals[s] for s in (2, 4)] == pytest.approx([whole["eval"][s] for s in (2, 4)], rel=1e-10)
