@@ -93,7 +93,9 @@ def test_bad_restarts_and_paths_are_spec_errors():
 
 @pytest.fixture(scope="module")
 def durable_server(ray_session, s3_server, tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("home"), ray_session.get_runtime_context().gcs_address).start()
+    # the tests' own folders are where jobs may write local checkpoints (an operator's shared mount)
+    s = Server(tmp_path_factory.mktemp("home"), ray_session.get_runtime_context().gcs_address,
+               RELAYTRAIN_CHECKPOINT_ROOTS=str(tmp_path_factory.getbasetemp())).start()
     yield s
     s.stop()
 
