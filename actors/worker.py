@@ -533,13 +533,14 @@ class StageWorker:
         """The step's counted targets over the whole global batch (every replica's), when the
         loss is their mean (service/loading.py ``counted_targets``): from this worker's own
         microbatches when they are the whole batch (dp 1), else read from the data."""
-        if self.spec.loss != "cross_entropy":
-            return None
         if self.cell.m * self.mbs == self.B:
             return counted_targets(self.spec, torch.cat([y.reshape(-1) for y in ys]))
         t = self.spec.training
-        return counted_targets(self.spec, self.samples.targets(step_indices(step, len(self.samples), self.B, t.seed,
-                                                                            t.shuffle)))
+        return self._counted_in(self.samples, step_indices(step, len(self.samples), self.B, t.seed, t.shuffle))
+
+    def _counted_in(self, samples, idx: torch.Tensor) -> Optional[int]:
+        """``counted_targets`` of samples ``idx``, read from the data only for the loss that uses it."""
+        return counted_targets(self.spec, samples.targets(idx)) if self.spec.loss == "cross_entropy" else None
 
     def run_step(self, step: int) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
@@ -627,7 +628,7 @@ class StageWorker:
         try:
             CollectiveBytes.take_failure()
             xs, ys = self._eval_batches()
-            counted = ([counted_targets(self.spec, self.eval_samples.targets(torch.arange(b * self.B, (b + 1) * self.B)))
+            counted = ([self._counted_in(self.eval_samples, torch.arange(b * self.B, (b + 1) * self.B))
                         for b in range(self.spec.eval.batches)] if self.cell.last else None)
             result = self.runner.evaluate(committed, xs, ys, self.spec.eval.batches,
                                           aborted=lambda: self._aborted is not None, counted=counted)

@@ -107,13 +107,13 @@ class SpecBody:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http" or scope["method"] != "POST" or scope["path"].rstrip("/") != "/v1/jobs":
             return await self.app(scope, receive, send)
-        scope["relaytrain.route"] = "/v1/jobs"  # for the metrics, when this answers before the router does
+        # the metrics' route label: the router writes its match into the copies below, or this
+        # answers before it (400, 415), so the metrics middleware outside reads it from here
+        scope["relaytrain.route"] = "/v1/jobs"
         headers = dict(scope["headers"])
         ctype = headers.get(b"content-type", b"").decode("latin-1").split(";")[0].strip().lower()
         if not ctype:  # no Content-Type (python requests' data=, some scripts): read as JSON, which it is
-            # in place, not a copy: the router writes the matched route into this scope, where the
-            # metrics middleware outside reads it (a copy counted these requests as "unmatched")
-            scope["headers"] = [*scope["headers"], (b"content-type", b"application/json")]
+            scope = dict(scope, headers=[*scope["headers"], (b"content-type", b"application/json")])
             return await self.app(scope, receive, send)
         if ctype == "application/json" or ctype.endswith("+json"):
             return await self.app(scope, receive, send)
@@ -137,8 +137,8 @@ class SpecBody:
         except (yaml.YAMLError, UnicodeDecodeError, TypeError, ValueError) as e:
             return await JSONResponse({"detail": f"the body is not a YAML job spec: {e}"},
                                       status_code=400)(scope, receive, send)
-        scope["headers"] = ([(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
-                            + [(b"content-type", b"application/json"), (b"content-length", str(len(text)).encode())])
+        scope = dict(scope, headers=[(k, v) for k, v in scope["headers"] if k not in (b"content-type", b"content-length")]
+                     + [(b"content-type", b"application/json"), (b"content-length", str(len(text)).encode())])
         sent = False
 
         async def as_json():

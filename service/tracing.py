@@ -135,9 +135,8 @@ def _autocast_dtypes(layers_on: Callable[[str], dict[int, nn.Module]], count: in
     dtypes, recorder, stashers = [], _Recorder(skip.Tracker()), {}
     # built on the meta device, then given fake CPU tensors: a builder that calls .to(dtype),
     # .double() or .float() fails when it builds inside FakeTensorMode ("Couldn't swap")
-    layers = _on_fake_cpu(layers_on("meta"), mode) if on_meta else None
+    layers = _on_fake_cpu(layers_on("meta"), mode) if on_meta else layers_on("cpu")
     with mode, skip.use_tracker(recorder):
-        layers = layers if on_meta else layers_on("cpu")
         h = mode.from_tensor(x) if on_meta else x
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             for i in range(count):
