@@ -27,6 +27,8 @@ from service.spec import JobSpec, SpecError
 
 
 class JobController:
+    drain_recheck_s = 3.0  # a job training on draining nodes looks for a slot to move to this often
+
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
                  keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper,
@@ -52,6 +54,8 @@ class JobController:
         self.usable: Optional[list[int]] = None      # worker counts its planner uses whole (elastic)
         self.queued: Optional[tuple] = None          # (step, its calls, when the step before ended): sent early
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
+        self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
+        self.drain_stay = (0.0, -1)                  # no move off them tried again before this (monotonic), nor at this step
 
     # ---------------------------------------------------------------- the cluster scheduler's orders
 
@@ -191,7 +195,10 @@ class JobController:
 
     def _wait(self, d, since: Optional[float], again: Callable[[float], State], slots: int) -> State:
         if isinstance(d, policy.Fail):
-            return Failed(d.reason)
+            drained = (f" (the job had trained on node{'s' if len(self.drains_seen) > 1 else ''} "
+                       f"{', '.join(n[:12] for n in sorted(self.drains_seen))} after it announced it was draining: "
+                       "no other slot came free before it went)") if self.drains_seen else ""
+            return Failed(d.reason + drained)
         if since is None:
             self.record.event("waiting", d.reason, slots=slots)
         time.sleep(1.0)
@@ -211,7 +218,7 @@ class JobController:
         if self.preempt_reason is not None and not early:  # (a step already sent runs first)
             return self._preempted(step)
         if self.elastic:
-            move = self._at_boundary()
+            move = self._at_boundary(step)
             if move is not None:
                 return Reshaping(move=move)
         if early:
@@ -265,7 +272,7 @@ class JobController:
         abort_s = time.time() - lost.time
         t = time.time()
         move = self.reshaper.after_loss(refs, lost)
-        move.phases.update(abort_s=abort_s, survey_s=time.time() - t)
+        move.phases.update(abort_s=abort_s, survey_s=time.time() - t, began_at=lost.time)  # training stopped then
         # named after the survey: the first error to come back is often a survivor's (its peer
         # went), and the event named that survivor as the worker lost
         names = [cell_name(c) for c in move.lost]
@@ -310,10 +317,12 @@ class JobController:
 
     # ---------------------------------------------------------------- elasticity
 
-    def _at_boundary(self) -> Optional[Move]:
+    def _at_boundary(self, step: int) -> Optional[Move]:
         """Between steps: move off draining nodes, or grow onto workers started for it."""
         view = self.watch.view
-        return self.reshaper.off_draining(view) or self._shrink() or self._grow(view)
+        stay_s, stay_step = self.drain_stay
+        drain = self.reshaper.off_draining(view) if time.monotonic() >= stay_s and step != stay_step else None
+        return drain or self._shrink() or self._grow(view)
 
     def _shrink(self) -> Optional[Move]:
         """Above the cluster scheduler's allotment: keep that many workers (whole replicas
@@ -352,6 +361,7 @@ class JobController:
     def _reshape(self, state: Reshaping) -> State:
         move, g = state.move, self.group
         t = time.time()
+        move.phases.setdefault("began_at", t)  # training stopped here (a loss: at its detection)
         if move.committed is None:
             self.reshaper.choose_copy(move, self.record.step)
         joined = len([c for c in move.keep if c not in g.workers]) if not move.forced else 0
@@ -360,11 +370,19 @@ class JobController:
         sit = self._situation(kept=len(g.whole_groups(move.keep)), exclude=move.exclude, forced=move.forced,
                               since=state.waited_since, joined=joined)
         d = policy.decide(sit, self.spec, self.layers.facts)
+        if move.draining and isinstance(d, (policy.Wait, policy.Fail)):
+            return self._train_on_draining(move, d)
         if isinstance(d, (policy.Wait, policy.Fail)):
             return self._wait(d, state.waited_since, lambda since: Reshaping(move=move, attempt=state.attempt,
                                                                            waited_since=since), sit.slots)
         if isinstance(d, policy.Keep):  # the growth no longer pays
             g.stop_others([h for c, h in move.keep.items() if c not in g.workers])
+            return Running(self.record.step)
+        if not move.forced and d.shape.workers > len(move.keep):
+            # more slots came free while the growth's workers started: start the rest in the
+            # background too (started here, training would pause for a worker's start, ~5 s)
+            g.start_joining(d.shape.workers - len(move.keep), up=tuple(h for c, h in move.keep.items()
+                                                                       if c not in g.workers), detected=move.detected)
             return Running(self.record.step)
         move.phases["plan_s"] = move.phases.get("plan_s", 0.0) + time.time() - t
         try:
@@ -378,10 +396,33 @@ class JobController:
                          forced=True, detected=move.detected, phases=move.phases)
             return Reshaping(move=again, attempt=state.attempt + 1)
         self.reshapes += 1
+        self.drains_seen -= set(move.draining)
         self._announce(d.shape, d.reason)
         if move.steps_lost:  # the rows of the lost steps stay; their re-runs come again, marked rerun
             self.record.go_back(move.committed)
         return Running(move.committed)
+
+    def _train_on_draining(self, move: Move, d) -> State:
+        """Nowhere to move off draining nodes: their workers train on until a slot frees up
+        (tried again every few seconds) or the node goes (a loss, then).  The first time, a
+        checkpoint when the job writes them, so that a node going early costs only the steps
+        after it."""
+        g, step = self.group, self.record.step
+        g.stop_others([h for c, h in move.keep.items() if c not in g.workers])  # workers taken from a growth
+        self.drain_stay = (time.monotonic() + self.drain_recheck_s, step)  # at least a step, then look again
+        new = set(move.draining) - self.drains_seen
+        if new:
+            self.drains_seen |= new
+            saved = ""
+            if self.keeper.checkpoint_root and step:
+                try:
+                    saved = f"; checkpoint of step {step}: {self.keeper.checkpoint_now(step, self.spec, self.record, self.job_id)}"
+                except JobFailure as e:
+                    saved = f"; the checkpoint of step {step} failed: {e}"
+            self.record.event("draining_stay", f"{move.reason}, and no free slot to move its workers to "
+                              f"({d.reason}): training goes on there until a slot frees up or the node goes{saved}",
+                              nodes=list(move.draining), step=step)
+        return Running(step)
 
     def _reshaped(self, committed: int) -> None:
         """The first step of a new shape committed: record the reshape with its cost."""

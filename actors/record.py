@@ -121,7 +121,8 @@ class JobRecord:
     def reshaped(self, r, committed: int) -> None:
         """The first step of a new shape committed: a ``reshape`` event with the reshape's cost
         (``r``: actors.reshape.Reshaped), and the recovery time on the step's metrics row."""
-        seconds = time.time() - r.detected
+        now = time.time()
+        seconds = now - r.detected
         phases = {k: round(v, 3) for k, v in r.phases.items() if k.endswith("_s")}
         phases["first_step_s"] = round(time.time() - r.phases.get("installed_at", time.time()), 3)
         tp = r.tp
@@ -131,11 +132,14 @@ class JobRecord:
         old = name(r.old) if r.old else "none"
         lost = (f"{r.steps_lost} steps lost, restored from the {r.restored_from}" if r.steps_lost
                 else f"no step lost{', lost layers restored from the ' + r.restored_from if r.restored_from else ''}")
+        paused = now - (r.paused_since or r.detected)
+        when = (f"committed {seconds:.2f} s after detection" if paused >= seconds - 0.01 else
+                f"committed {paused:.2f} s after training paused (training went on while its workers "
+                f"started, {seconds:.2f} s since detection)")
         self.event("reshape", f"reshaped {old} -> {name(r.new)} after {r.reason}: step {committed} "
-                   f"committed {seconds:.2f} s after detection; {lost}; {r.moved} {what} copied "
-                   f"to workers that lacked them ({r.why})",
+                   f"{when}; {lost}; {r.moved} {what} copied to workers that lacked them ({r.why})",
                    **({"tp": tp} if tp > 1 else {}), reason=r.reason, old_shape=r.old, new_shape=r.new,
-                   recovery_s=seconds, layers_moved=r.moved,
+                   recovery_s=seconds, paused_s=paused, layers_moved=r.moved,
                    steps_lost=r.steps_lost, restored_from=r.restored_from, restored_from_step=r.restored_step,
                    step=committed, phases_s=phases)
         with self._lock:

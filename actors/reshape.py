@@ -48,6 +48,7 @@ class Move:
     restored_step: Optional[int] = None    # the step of that copy
     lost: tuple = ()                       # the cells found dead after a failed step (after_loss)
     committed: Optional[int] = None        # the step the new shape starts from
+    draining: tuple = ()                   # the draining nodes it moves off (off_draining)
     phases: dict = field(default_factory=dict)  # where the reshape's seconds went
 
 
@@ -66,6 +67,8 @@ class Reshaped:
     phases: dict
     moved: int = 0        # layers with state that workers of the new shape did not hold (copied in)
     tp: int = 1           # both shapes' tensor-parallel groups (a reshape keeps tp)
+    paused_since: Optional[float] = None  # training stopped then: at a loss, its detection; a growth or a
+    # drain trains on until the reshape begins (its new workers started in the background)
 
 
 class Reshaper:
@@ -136,7 +139,7 @@ class Reshaper:
         left = f", deadline in {min(deadlines) - time.time():.0f} s" if deadlines else ""
         reason = f"node{'s' if len(nodes) > 1 else ''} {', '.join(n[:12] for n in nodes)} draining{left}"
         return Move(reason, keep={c: w for c, w in g.workers.items() if c not in draining}, donors=dict(g.workers),
-                    exclude=set(nodes), forced=True)
+                    exclude=set(nodes), forced=True, draining=tuple(nodes))
 
     def drop_dead(self, handles: dict) -> set:
         """Remove the workers that do not answer (within 3 s) from ``handles``; their nodes
@@ -189,8 +192,9 @@ class Reshaper:
         self.keeper.forget_pending()
         g.stop_others(list(previous.values()) + [h for c, h in move.keep.items() if c not in previous])
         phases["installed_at"] = time.time()
+        paused = phases.pop("began_at", move.detected)
         return Reshaped(move.reason, old, _named(shape), move.detected, move.steps_lost, move.restored_from,
-                        move.restored_step, why, phases, moved, shape.tp)
+                        move.restored_step, why, phases, moved, shape.tp, paused)
 
     def install(self, shape: planner.Shape, why: str, assign: dict, committed: int, boundary: list, *,
                 copy: Optional[dict], donors: dict, copy_layers: Optional[set] = None) -> dict:
@@ -200,16 +204,18 @@ class Reshaper:
         g = self.group
         cells = shape.cells
         spawned = g.spawn([c for c in cells if c not in assign])
+        t = time.time()
         try:
-            if spawned:
+            if spawned:  # (a growth's new workers start in the background: here only after a loss or a drain)
                 g.wait_ready(spawned)
+            started = {"start_s": time.time() - t} if spawned else {}
             if copy is not None and copy_layers is None:
                 copy_layers = {(i, j) for i in range(self.layers) for j in range(shape.tp)}
             everyone = {**assign, **spawned}
             old_layers = {h._actor_id.hex(): g.pieces_of(c) for c, h in donors.items()}
             sources = self.keeper.sources(shape, everyone, committed, copy=copy, copy_layers=copy_layers or set(),
                                           donors=donors, old_layers=old_layers, stateless=self.stateless)
-            return g.configure(shape, why, everyone, committed, sources, boundary)
+            return {**started, **g.configure(shape, why, everyone, committed, sources, boundary)}
         except BaseException:
             for h in spawned.values():
                 kill(h)

@@ -54,6 +54,7 @@ class WorkerGroup:
         self.skips: list = []                            # the model's skips, from its trace (actors/portals.py)
         self.shape: Optional[planner.Shape] = None
         self.joining: Optional[Joining] = None
+        self._joining_made = 0                           # workers started for scale-ups (their names' numbers)
         self.cancelled = threading.Event()               # set by JobScheduler.cancel: stop waiting for placement
 
     # ---------------------------------------------------------------- placing
@@ -139,13 +140,17 @@ class WorkerGroup:
                 f"(the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all); "
                 "lower dp x pp or the resources per worker, or add nodes")
 
-    def start_joining(self, k: int) -> None:
-        """Start ``k`` workers for a scale-up in the background."""
+    def start_joining(self, k: int, up: tuple = (), detected: Optional[float] = None) -> None:
+        """Start ``k`` workers for a scale-up in the background; ``up``: workers started for it
+        earlier and up already, which join with them (a growth that found more free slots by the
+        time its first workers were up; ``detected``: when that growth began)."""
+        first = self._joining_made
+        self._joining_made += k
         spawned = self.spawn([("new", i) for i in range(k)],
-                             actor_names=[names.joining_name(self.job_id, self.gen, i) for i in range(k)])
-        handles = list(spawned.values())
+                             actor_names=[names.joining_name(self.job_id, self.gen, first + i) for i in range(k)])
+        handles = [*up, *spawned.values()]
         self.joining = Joining(handles, [h.__ray_ready__.remote() for h in handles],
-                               time.monotonic() + self.start_timeout)
+                               time.monotonic() + self.start_timeout, detected or time.time())
 
     def take_joined(self, keep: dict) -> None:
         """Workers started for a scale-up that are up by now join ``keep``; failed ones are stopped."""

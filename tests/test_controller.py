@@ -114,6 +114,65 @@ def test_a_joining_node_grows_the_job_at_a_boundary():
     assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and "joined" in reshape["reason"]
 
 
+def test_nodes_joining_a_moment_apart_grow_the_job_once_without_a_pause_for_a_start():
+    """The second node joins while the worker for the first one starts: the job goes on
+    training while the second's worker starts too, then reshapes once, onto both (it used to
+    start the last worker with training paused, ~5 s)."""
+    d = spec(dp=2, pp=2, steps=8, grow_payback_s=0).model_dump(mode="json")
+    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
+    d["resources"]["memory_per_worker_mb"] = 0.6
+    s = parse_spec(d)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    group.queue_step(before=lambda: cluster.add("node8"))  # at the boundary after step 1: start one worker
+    group.queue_step(before=lambda: cluster.add("node9"))  # it is up after step 2; by then node9 joined
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == list(range(1, 9))
+    assert group.started_joining == [(1, 0), (1, 1)]  # the second start carries the worker already up
+    [reshape] = events(record, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2]
+    assert reshape["reason"].startswith("2 more worker slots joined")
+    assert ctl.reshaper.started_in_foreground == [0]  # every worker of 2x2 was up before training paused
+    assert reshape["paused_s"] < reshape["recovery_s"]  # trained on while its workers started
+
+
+def test_a_draining_node_with_nowhere_to_go_trains_on_until_a_slot_frees_up():
+    s = spec(dp=1, pp=2, steps=8)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    ctl.drain_recheck_s = 0.0
+    group.queue_step(before=lambda: cluster.draining.update({group.node_of((0, 1)): None}))
+    for _ in range(3):  # the job needs two workers (memory) and the only other node is its own
+        group.queue_step()
+    group.queue_step(before=lambda: cluster.add("node9"))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == list(range(1, 9))  # no step failed or waited
+    [stay] = events(record, "draining_stay")
+    assert stay["step"] == 1 and "no free slot to move its workers to" in stay["message"]
+    assert "training goes on there until a slot frees up or the node goes" in stay["message"]
+    [reshape] = events(record, "reshape")
+    assert "draining" in reshape["reason"] and reshape["step"] == 6 and reshape["steps_lost"] == 0
+    assert not events(record, "waiting") and not events(record, "worker_lost")
+    assert "node1" not in group.describe().values()
+
+
+def test_a_drained_node_that_goes_with_nowhere_to_move_fails_the_job_naming_the_drain():
+    s = spec(dp=1, pp=2, steps=8, wait_timeout_s=1.0)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    ctl.drain_recheck_s = 0.0
+    group.queue_step(before=lambda: cluster.draining.update({"node1": None}))
+    group.queue_step()
+
+    def gone():
+        cluster.remove("node1")
+        cluster.draining.pop("node1")
+    group.queue_step({(0, 1): died(), (0, 0): peer_error()}, before=gone)
+    ctl.run()
+    assert record.state.value == "FAILED" and group.steps_run == [1, 2]
+    assert len(events(record, "draining_stay")) == 1
+    assert record.error.startswith("waiting for workers: ")
+    assert record.error.endswith("(the job had trained on node node1 after it announced it was draining: "
+                                 "no other slot came free before it went)")
+
+
 def test_cancel_ends_the_job_between_steps():
     s = spec()
     ctl, group, cluster, record = controller(s)

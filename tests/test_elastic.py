@@ -255,6 +255,8 @@ def test_a_lost_replica_under_global_batch_norm_reshapes_and_equals_plain_pytorc
 
 
 def test_node_added_mid_run_scales_up(cluster, tmp_path):
+    import ray
+
     with_nodes(cluster, 2)
     spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=200, separate_activations=True,
                         costs=SEPARATE, schedule="zb_h1")  # the new workers take ReLU entries: built, not copied
@@ -262,13 +264,21 @@ def test_node_added_mid_run_scales_up(cluster, tmp_path):
     p = job.wait_step(5)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)  # the preferred 2x2 does not fit 2 slots
     cluster.add_node(num_cpus=1)
+    # the second node joins while the worker for the first starts (as nodes of a scale-up do)
+    deadline = time.monotonic() + 30
+    while not any(":joining-" in a["name"] for a in ray.util.list_named_actors(all_namespaces=True)):
+        assert time.monotonic() < deadline, "no worker started for the node that joined"
+        time.sleep(0.1)
     cluster.add_node(num_cpus=1)
     result = job.finish()
     assert job.error is None, job.error
     assert_same_params(final_params(tmp_path), check_result(result, spec))
-    [reshape] = events(result, "reshape")
-    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and reshape["steps_lost"] == 0
-    assert "joined" in reshape["reason"]
+    reshapes = events(result, "reshape")
+    assert reshapes[0]["old_shape"] == [1, 2] and reshapes[-1]["new_shape"] == [2, 2]
+    for r in reshapes:  # (one reshape onto both, unless the first worker was up before the second node)
+        assert "joined" in r["reason"] and r["steps_lost"] == 0
+        # every new worker started in the background: training paused only for the reshape itself
+        assert "start_s" not in r["phases_s"] and r["paused_s"] < r["recovery_s"], r
 
 
 def test_shrink_then_grow_changes_pp_and_dp(cluster, tmp_path):

@@ -78,6 +78,7 @@ class FakeGroup:
         self.gpus = 0.0
         self.joining: Optional[Joining] = None
         self.steps_run: list[int] = []
+        self.started_joining: list[tuple] = []  # (workers started, workers already up) per background start
         self._outcomes: collections.deque = collections.deque()
         cluster.group = self
 
@@ -133,8 +134,10 @@ class FakeGroup:
     def take_joined(self, keep: dict) -> None:
         pass
 
-    def start_joining(self, k: int) -> None:
-        self.joining = Joining([f"joining-{i}" for i in range(k)], [], time.monotonic() + 5)
+    def start_joining(self, k: int, up: tuple = (), detected: Optional[float] = None) -> None:
+        self.started_joining.append((k, len(up)))
+        self.joining = Joining([*up, *(f"joining-{len(self.started_joining)}-{i}" for i in range(k))], [],
+                               time.monotonic() + 5, detected or time.time())
 
     def joined(self) -> Optional[dict]:
         """Workers started for a growth are up at the next boundary."""
@@ -147,6 +150,10 @@ class FakeGroup:
 
 class FakeReshaper(Reshaper):
     """Places cells on the fake cluster's nodes; every state source is taken as given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.started_in_foreground: list[int] = []  # per reshape: workers it had to start while training paused
 
     def install(self, shape, why, assign, committed, boundary, *, copy, donors, copy_layers=None) -> dict:
         self.group.place(shape)
@@ -166,10 +173,11 @@ class FakeReshaper(Reshaper):
     def carry_out(self, move: Move, shape, why: str, boundary: list) -> Reshaped:
         g = self.group
         old = [g.shape.dp, g.shape.pp] if g.shape else None
+        self.started_in_foreground.append(max(0, shape.workers - len(move.keep)))  # the real install starts them
         g.where = {c: w for c, w in g.where.items() if c in move.keep}
         g.place(shape)
         return Reshaped(move.reason, old, [shape.dp, shape.pp], move.detected, 0, None, None, why,
-                        {"installed_at": time.time()})
+                        {"installed_at": time.time()}, paused_since=move.phases.get("began_at"))
 
     def drop_dead(self, handles: dict) -> set:
         return set()
