@@ -139,6 +139,8 @@ def test_a_draining_node_with_nowhere_to_go_trains_on_until_a_slot_frees_up():
     s = spec(dp=1, pp=2, steps=8)
     ctl, group, cluster, record = controller(s, nodes=2)
     ctl.drain_recheck_s = 0.0
+    ctl.keeper.checkpoint_root = "s3://bucket/ckpt"  # a job that writes checkpoints writes one as it stays
+    ctl.keeper.checkpoint_now = lambda step, spec, rec, job_id: f"s3://bucket/ckpt/{job_id}-step-{step}"
     group.queue_step(before=lambda: cluster.draining.update({group.node_of((0, 1)): None}))
     for _ in range(3):  # the job needs two workers (memory) and the only other node is its own
         group.queue_step()
@@ -147,7 +149,8 @@ def test_a_draining_node_with_nowhere_to_go_trains_on_until_a_slot_frees_up():
     assert record.state.value == "SUCCEEDED" and group.steps_run == list(range(1, 9))  # no step failed or waited
     [stay] = events(record, "draining_stay")
     assert stay["step"] == 1 and "no free slot to move its workers to" in stay["message"]
-    assert "training goes on there until a slot frees up or the node goes" in stay["message"]
+    assert stay["message"].endswith("training goes on there until a slot frees up or the node goes; "
+                                    "checkpoint of step 1: s3://bucket/ckpt/ctl-job-step-1")
     [reshape] = events(record, "reshape")
     assert "draining" in reshape["reason"] and reshape["step"] == 6 and reshape["steps_lost"] == 0
     assert not events(record, "waiting") and not events(record, "worker_lost")
