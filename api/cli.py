@@ -216,6 +216,7 @@ def _print_job(job: dict) -> None:
           + (f"  allotted {allotted} worker{'' if allotted == 1 else 's'}" if allotted is not None and elastic else "")
           + (f"  restarts {job.get('restarts', 0)}/{most}" if most or job.get("restarts") else "")
           + queued
+          + (f"\n  {job['waiting']}" if job.get("waiting") else "")
           + (f"\n  checkpoint: step {ckpt['step']} at {ckpt['path']}" if ckpt else "")
           + (f"\n  error: {job['error']}" if job.get("error") else ""))
 
@@ -273,6 +274,8 @@ def _follow_remote(client, job: dict, quiet: bool) -> dict:
         bar.update(j["step"] - bar.n)
         if j["state"] == "QUEUED" and j.get("queue"):  # what it waits for, not a bar stuck at 0%
             bar.set_postfix_str(f"QUEUED #{j['queue'].get('position')}: {j['queue'].get('reason')}")
+        elif j.get("waiting"):  # admitted, short of worker slots
+            bar.set_postfix_str(f"{j['state']}: {j['waiting']}")
         elif j.get("loss") is not None:
             bar.set_postfix(loss=f"{j['loss']:.4f}", samples_s=f"{j.get('samples_per_s') or 0:.0f}", state=j["state"])
 

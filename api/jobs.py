@@ -236,8 +236,12 @@ class JobManager:
         """Jobs with their restarts, newest checkpoint, place in the queue and allotted workers
         (for a page of them)."""
         got = self.store.durability([r["id"] for r in rows])
-        return [{**r, **got[r["id"]], "queue": self.cluster.queued(r["id"]),
-                 "allotted_workers": self.cluster.allotted.get(r["id"])} for r in rows]
+        out = [{**r, **got[r["id"]], "queue": self.cluster.queued(r["id"]),
+                "allotted_workers": self.cluster.allotted.get(r["id"])} for r in rows]
+        for j in out:  # an admitted job short of worker slots says so; a job past it does not
+            if j["state"] not in (JobState.PENDING, JobState.RESHAPING):
+                j["waiting"] = None
+        return out
 
     def cancel(self, tenant: str, job_id: str, wait: float = 15.0) -> dict:
         import ray

@@ -55,6 +55,10 @@ class JobOut(BaseModel):
         None, description="the newest complete checkpoint: step, path (a folder or URL) and time; the one a "
                           "restart resumes from")
     queue: Optional[QueuePlace] = Field(None, description="a QUEUED job's place in the queue and why it waits")
+    waiting: Optional[str] = Field(
+        None, description="what an admitted job (PENDING or RESHAPING) waits for when too few worker slots are "
+                          "alive, e.g. 'waiting for workers: 1 slot alive, the job needs at least "
+                          "elastic.min_workers=2' (its newest waiting event)")
     allotted_workers: Optional[int] = Field(
         None, description="workers the cluster scheduler allots the job (an elastic job shrinks or grows to fit)")
     spec: dict[str, Any]

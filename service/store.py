@@ -237,9 +237,10 @@ class Store:
                     for r in c.execute(q)]
 
     def durability(self, job_ids: list[str]) -> dict[str, dict]:
-        """Per job: ``restarts`` (its restarted events) and ``checkpoint``, the newest written
-        (``{"step", "path", "time"}``, or None)."""
-        out = {j: {"restarts": 0, "checkpoint": None} for j in job_ids}
+        """Per job: ``restarts`` (its restarted events), ``checkpoint``, the newest written
+        (``{"step", "path", "time"}``, or None), and ``waiting``: what it waits for when its
+        newest ``waiting`` event came after its newest shape (else None)."""
+        out = {j: {"restarts": 0, "checkpoint": None, "waiting": None} for j in job_ids}
         if not job_ids:
             return out
         mine = events.c.job_id.in_(job_ids)
@@ -252,6 +253,12 @@ class Store:
             for r in c.execute(sa.select(events).where(events.c.id.in_(newest))):
                 data = r.data if isinstance(r.data, dict) else json.loads(r.data or "{}")
                 out[r.job_id]["checkpoint"] = {"step": data.get("step"), "path": data.get("path"), "time": r.time}
+            newest = sa.select(sa.func.max(events.c.id)).where(mine, events.c.type.in_(["waiting", "shape"])).group_by(
+                events.c.job_id)
+            for r in c.execute(sa.select(events.c.job_id, events.c.type, events.c.message).where(
+                    events.c.id.in_(newest))):
+                if r.type == "waiting":
+                    out[r.job_id]["waiting"] = r.message
         return out
 
     def count_by_state(self) -> dict[str, int]:

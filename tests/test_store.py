@@ -108,6 +108,17 @@ def test_events_in_order_with_data(store):
     assert [e["type"] for e in store.get_events("e", after=ev[0]["id"])] == ["shape"]
 
 
+def test_what_a_job_waits_for_is_its_newest_waiting_event_until_a_shape_comes(store):
+    store.create_job("w", "alice", SPEC)
+    store.create_job("x", "alice", SPEC)
+    assert store.durability(["w", "x"])["w"]["waiting"] is None
+    wait = "waiting for workers: 1 slot alive, the job needs at least elastic.min_workers=2"
+    store.add_events("w", [{"type": "shape", "message": "2x2"}, {"type": "waiting", "message": wait, "slots": 1}])
+    store.add_events("x", [{"type": "waiting", "message": wait, "slots": 1}, {"type": "shape", "message": "1x2"}])
+    got = store.durability(["w", "x"])
+    assert got["w"]["waiting"] == wait and got["x"]["waiting"] is None
+
+
 def test_schema_is_created_once_and_newer_schema_refused(store):
     Store(store.url.replace("postgresql+psycopg", "postgresql"))  # opening again is fine
     with store.engine.begin() as c:

@@ -448,6 +448,18 @@ def queued_jobs(server):
                 c.post(f"/v1/jobs/{job_id}/cancel")
 
 
+def test_an_admitted_job_short_of_slots_says_what_it_waits_for(capsys):
+    """GET /v1/jobs/{id}'s ``waiting`` (the job's newest waiting event, while it has no shape
+    since: tests/test_store.py) on the line after the status line."""
+    from api.cli import _print_job
+
+    wait = "waiting for workers: 1 slot alive, the job needs at least elastic.min_workers=2"
+    _print_job({"id": "j-1", "state": "PENDING", "step": 0, "steps": 6, "spec": {"elastic": {"enabled": True}},
+                "allotted_workers": 2, "waiting": wait})
+    assert capsys.readouterr().out.splitlines() == ["j-1  PENDING    step 0/6  loss -  shape ?x?  allotted 2 workers",
+                                                    f"  {wait}"]
+
+
 def test_queue_in_the_api_and_the_cli(server, queued_jobs):
     a, b, c = (queued_jobs[k] for k in "abc")
     assert sorted(j["queue"]["position"] for j in (a, b, c)) == [1, 2, 3]

@@ -327,7 +327,8 @@ function drawJobHead(job) {
   document.title = `${job.name} · ${job.state} · relaytrain`;
 }
 
-// A queued job's place and reason; an elastic job's allotment from the cluster scheduler.
+// A queued job's place and reason; what an admitted job short of slots waits for; an elastic job's
+// allotment from the cluster scheduler.
 function drawQueue(job) {
   const queued = job.state === "QUEUED";
   $("#job-queue-fact").hidden = !queued;
@@ -335,6 +336,8 @@ function drawQueue(job) {
   place.textContent = queued ? queueText(job) : "";
   if (queued && job.queue) place.dataset.position = String(job.queue.position);
   else delete place.dataset.position;
+  $("#job-waiting-fact").hidden = !job.waiting;  // admitted, short of worker slots
+  $("#job-waiting").textContent = job.waiting || "";
   const elastic = Boolean(((job.spec || {}).elastic || {}).enabled);
   const allotted = $("#job-allotted");
   const shown = elastic && job.allotted_workers != null && !TERMINAL.has(job.state);
