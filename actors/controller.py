@@ -14,14 +14,14 @@ from typing import Callable, Optional
 
 from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
-from actors.failures import JobCancelled, JobFailure, WorkerLost, cell_name
+from actors.failures import JobCancelled, JobFailure, LostWorkerFailure, WorkerLost, cell_name
 from actors.jobstates import Cancelled, Failed, Finishing, Preempted, Reshaping, Running, Starting, State, Succeeded
 from actors.record import JobRecord, metrics_row
 from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
 from service import elastic_policy as policy
-from service import partition, planner
+from service import checkpoint, partition, planner, restarts
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 
@@ -32,7 +32,7 @@ class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
                  keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper,
-                 cap: Optional[int] = None, traced: Optional[layerfacts.Layers] = None):
+                 cap: Optional[int] = None, traced: Optional[layerfacts.Layers] = None, restarts_used: int = 0):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
         self.model_out, self.save_index = model_out, save_index  # where the final model's shards go
@@ -54,6 +54,7 @@ class JobController:
         self.usable: Optional[list[int]] = None      # worker counts its planner uses whole (elastic)
         self.queued: Optional[tuple] = None          # (step, its calls, when the step before ended): sent early
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
+        self.restarts_used = restarts_used           # of restarts.max, by the job's earlier schedulers and this one
         self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
         self.drain_stay = (0.0, -1)                  # no move off them tried again before this (monotonic), nor at this step
 
@@ -232,6 +233,8 @@ class JobController:
             stats = self.group.gather(refs, step, self.group.timeout)
         except WorkerLost as lost:
             return self._lost(step, refs, lost)
+        except LostWorkerFailure as lost:  # a fixed-shape job
+            return self._restart(lost)
         if self.queued is not None:
             self.queued = (*self.queued[:2], time.time())
         if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
@@ -281,6 +284,29 @@ class JobController:
         self.record.event("worker_lost", f"{what}; reshaping", detail=lost.failure.detail, step=step + 1,
                           workers=names)
         return Reshaping(move=move)
+
+    def _restart(self, lost: LostWorkerFailure) -> State:
+        """A fixed-shape job lost a worker: while restarts.max allows and it has a checkpoint of
+        its own, every worker starts again (the same shape, placed afresh) and the job resumes
+        from the newest checkpoint, the steps since then run again; else it fails saying what
+        would have kept it going."""
+        most = self.spec.restarts.max
+        if not most:
+            raise lost
+        self.queued = None
+        self.keeper.finish_writing()  # a checkpoint under way when the worker went: complete, or not counted
+        root = self.keeper.checkpoint_root
+        newest = checkpoint.latest(root, self.job_id) if root and self.restarts_used < most else None
+        d = restarts.decide(self.spec, used=self.restarts_used, committed=self.record.step,
+                            newest_step=checkpoint.step_of(newest) if newest is not None else None,
+                            reason=str(lost.bare))
+        if not d.restart:
+            raise JobFailure(d.message, detail=lost.detail)
+        self.restarts_used += 1
+        self.record.event("restarted", d.message, **d.fields, checkpoint=str(newest), detail=lost.detail)
+        self.group.teardown()
+        self.keeper.resume = str(newest)
+        return Starting()
 
     def _commit(self, step: int, stats: dict, wall: float, eval_loss: Optional[float] = None) -> None:
         spec, rec, shape = self.spec, self.record, self.group.shape

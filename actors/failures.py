@@ -24,6 +24,16 @@ class JobFailure(RuntimeError):
         self.detail = detail
 
 
+class LostWorkerFailure(JobFailure):
+    """A fixed-shape job's worker was lost during a step: the job restarts from its newest
+    checkpoint when restarts.max allows (actors/controller.py), else fails with this message.
+    ``bare``: the failure without the advice."""
+
+    def __init__(self, message: str, detail: str, bare: JobFailure):
+        super().__init__(message, detail)
+        self.bare = bare
+
+
 class JobCancelled(RuntimeError):
     """The job was cancelled while the scheduler waited on something other than a step."""
 
@@ -93,10 +103,10 @@ def step_failure(errors: dict, step: Optional[int], phase: str, *, elastic: bool
     failure = worker_failure(cell_name(c), step, errors[c], phase)
     if elastic and step is not None:
         return WorkerLost(failure, lost, t_error, set(silent) - lost)
-    if lost and step is not None:  # restarts.max looked like it would cover this: say what does
-        return JobFailure(f"{failure}; a fixed-shape job stops when a worker is lost: set elastic.enabled: true "
-                          "to go on with the workers left (restarts.max restarts a job whose scheduler was lost, "
-                          "not one that lost a worker)", detail=failure.detail)
+    if lost and step is not None:
+        return LostWorkerFailure(f"{failure}; a fixed-shape job stops when a worker is lost: set elastic.enabled: "
+                                 "true to go on with the workers left, or restarts.max (with checkpoint.every_steps) "
+                                 "to restart it from its newest checkpoint", failure.detail, failure)
     return failure
 
 

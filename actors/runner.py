@@ -101,12 +101,13 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                 runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
                 checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
                 store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through,
-                traced=traced)
+                traced=traced, restarts_used=used + seen.restarts)
             try:
                 final = _follow(sched, sched.run.remote(), outputs, seen)
                 break
             except ray.exceptions.RayActorError:  # the scheduler was lost: restart it, or say why not
-                resume_path = _restart_from(spec, ckpt_root, used, seen.committed, outputs, store, job_id)
+                resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen.committed, outputs, store,
+                                            job_id)
                 rerun_through, used = seen.committed, used + 1
                 launch.wait_actors_gone(job_id, timeout=30.0)
                 launch.release_placement_group(job_id)
@@ -186,6 +187,11 @@ class _Seen:
 
             self.bar = tqdm(total=spec.training.steps, desc=spec.name, unit="step", file=sys.stderr,
                             dynamic_ncols=True)
+
+    @property
+    def restarts(self) -> int:
+        """Restarts its schedulers made themselves (a fixed-shape job that lost a worker)."""
+        return sum(e["type"] == "restarted" for e in self.events)
 
     def add(self, snap: dict) -> None:
         self.events += snap["events"]

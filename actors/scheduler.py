@@ -30,7 +30,7 @@ class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
                  store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None,
-                 rerun_through: int = 0, allocation: Optional[int] = None, traced=None):
+                 rerun_through: int = 0, allocation: Optional[int] = None, traced=None, restarts_used: int = 0):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -50,7 +50,7 @@ class JobScheduler:
         self.model_out = {"dir": model_dir} if model_dir else {"store": store_url}
         self.controller = JobController(job_id, self.spec, search, self.record, self.group, self.keeper,
                                         model_out=self.model_out, save_index=self._save_index, cap=allocation,
-                                        traced=traced)
+                                        traced=traced, restarts_used=restarts_used)
         self._started = False
         if detached:  # started by its creation, which Ray completes even if the control plane dies meanwhile
             self.start()

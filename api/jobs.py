@@ -193,10 +193,12 @@ class JobManager:
         try:
             if env.get("working_dir"):
                 packages.ensure_in_cluster(env["working_dir"], self.settings.packages_dir)
+            used = len(self.store.events_of(job["id"], ["restarted"]))  # its scheduler's restarts count too
             actor = launch.start_scheduler(
                 job["id"], job["spec"], [], runtime_env=env, detached=True,
                 checkpoint_root=self.checkpoint_root(job), resume=resume, rerun_through=rerun_through,
-                start_timeout=self.settings.start_timeout_s, store_url=self.store.url, allocation=allocation)
+                start_timeout=self.settings.start_timeout_s, store_url=self.store.url, allocation=allocation,
+                restarts_used=used)
             ref = actor.start.remote()
         except Exception as e:
             self._starting.discard(job["id"])

@@ -256,14 +256,35 @@ def test_the_lost_worker_is_named_though_a_survivors_error_came_first():
 
 
 def test_a_fixed_shape_job_that_loses_a_worker_says_what_would_have_kept_it_going():
-    """restarts.max covers a lost scheduler, not a lost worker: a user who set it for spot nodes
-    read only "died (its process or node was lost)" (user trial)."""
+    """A user who relied on restarts.max for spot nodes read only "died (its process or node
+    was lost)" (user trial); restarts.max now covers a lost worker too (tests/test_failures_and_resume.py)."""
     from actors.failures import step_failure
 
     failure = step_failure({(1, 1): died(), (0, 1): peer_error()}, 1, "", elastic=False, t_error=0.0)
     assert str(failure).startswith("worker w1.1 at step 2 died"), str(failure)
     assert str(failure).endswith("; a fixed-shape job stops when a worker is lost: set elastic.enabled: true to go "
-                                 "on with the workers left (restarts.max restarts a job whose scheduler was lost, not "
-                                 "one that lost a worker)")
+                                 "on with the workers left, or restarts.max (with checkpoint.every_steps) to restart "
+                                 "it from its newest checkpoint")
     user = step_failure({(1, 1): user_error(ValueError("boom"))}, 1, "", elastic=False, t_error=0.0)
     assert "fixed-shape" not in str(user)  # a user's error is only that
+
+
+@pytest.mark.parametrize("restarts, used, says", [
+    ({"max": 0}, 0, "; a fixed-shape job stops when a worker is lost: set elastic.enabled: true to go on with the "
+                    "workers left, or restarts.max (with checkpoint.every_steps) to restart it from its newest "
+                    "checkpoint"),
+    ({"max": 2}, 0, ", and there is no complete checkpoint to restart it from (checkpoint.every_steps is 0)"),
+    ({"max": 2}, 2, ", and its restarts are used up (2 of restarts.max 2)"),
+])
+def test_a_fixed_shape_job_that_lost_a_worker_and_cannot_restart_says_why(restarts, used, says, monkeypatch):
+    monkeypatch.setattr("actors.controller.largest_node_memory", lambda: 2.0**40)  # (asks Ray)
+    d = spec(dp=1, pp=2).model_dump(mode="json")
+    d["elastic"]["enabled"], d["restarts"] = False, restarts
+    s = parse_spec(d)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    ctl.restarts_used = used  # by the job's earlier schedulers
+    group.queue_step()
+    group.queue_step({(0, 1): died(), (0, 0): peer_error()})
+    ctl.run()
+    assert record.state.value == "FAILED" and not events(record, "restarted")
+    assert record.error == "worker w0.1 at step 2 died (its process or node was lost)" + says

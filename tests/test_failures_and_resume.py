@@ -262,3 +262,36 @@ def test_a_model_no_node_can_hold_fails_before_its_workers_allocate_it(ray_sessi
                         r"parallelism.pp \(or tp\) to split the model over more workers, or make it smaller",
                         str(e.value)), str(e.value)
     assert time.monotonic() - t0 < 60
+
+
+def test_restarts_max_restarts_a_fixed_shape_job_that_lost_a_worker(ray_session, tmp_path):
+    """A worker's process killed mid-run (as an out-of-memory kill or a lost spot node would):
+    the fixed-shape job starts every worker again, resumes from its newest checkpoint, and ends
+    with the parameters of an uninterrupted run; the steps since the checkpoint run again."""
+    import ray
+
+    from tests.test_elastic import Job, check_result, events, final_params
+    from tests.test_engine import assert_same_params
+
+    spec = parse_spec({
+        "name": "fixed-restart", "model": {"kind": "mlp", "args": {"in_features": 64, "hidden": 32, "layers": 3,
+                                                                  "dtype": "float64"}},
+        "data": {"kind": "digits"}, "optimizer": {"name": "sgd", "lr": 0.05, "momentum": 0.9},
+        "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": 150, "seed": 4},
+        "parallelism": {"dp": 1, "pp": 2},
+        "checkpoint": {"every_steps": 5, "path": str(tmp_path / "ckpt"), "keep": 2},
+        "restarts": {"max": 1},
+    })
+    job = Job(spec, tmp_path)
+    job.wait_step(12)
+    ray.kill(job.worker("w0.1"))
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [restarted] = events(result, "restarted")
+    assert restarted["from_step"] % 5 == 0 and restarted["from_step"] >= 10 and restarted["restart"] == 1
+    assert re.fullmatch(r"worker w0\.1 at step \d+ died \(its process or node was lost\); restart 1 of 1 from the "
+                        r"checkpoint of step \d+ \(\d+ committed steps run again\)", restarted["message"]), restarted
+    reruns = [m["step"] for m in result["metrics"] if m.get("rerun")]
+    assert reruns == list(range(restarted["from_step"] + 1, restarted["from_step"] + 1 + len(reruns)))
+    assert [e["type"] for e in result["events"]].count("resumed") == 1

@@ -134,6 +134,9 @@ class FakeGroup:
     def take_joined(self, keep: dict) -> None:
         pass
 
+    def spawn(self, cells: list) -> dict:
+        return {}  # a fixed-shape job's workers, started early: here placed by the reshaper's install
+
     def start_joining(self, k: int, up: tuple = (), detected: Optional[float] = None) -> None:
         self.started_joining.append((k, len(up)))
         self.joining = Joining([*up, *(f"joining-{len(self.started_joining)}-{i}" for i in range(k))], [],
