@@ -56,7 +56,7 @@ class JobController:
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
         self.restarts_used = restarts_used           # of restarts.max, by the job's earlier schedulers and this one
         self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
-        self.drain_stay = (0.0, -1)                  # no move off them tried again before this (monotonic), nor at this step
+        self.drain_stay = (0.0, -1)                  # no move off them before (this monotonic time, nor at this step)
 
     # ---------------------------------------------------------------- the cluster scheduler's orders
 
@@ -442,7 +442,8 @@ class JobController:
             saved = ""
             if self.keeper.checkpoint_root and step:
                 try:
-                    saved = f"; checkpoint of step {step}: {self.keeper.checkpoint_now(step, self.spec, self.record, self.job_id)}"
+                    path = self.keeper.checkpoint_now(step, self.spec, self.record, self.job_id)
+                    saved = f"; checkpoint of step {step}: {path}"
                 except JobFailure as e:
                     saved = f"; the checkpoint of step {step} failed: {e}"
             self.record.event("draining_stay", f"{move.reason}, and no free slot to move its workers to "
