@@ -98,10 +98,11 @@ class CheckpointWriter:
         self.flight = {"step": step, "asked": asked, "folder": folder, "refs": refs, "t0": t0,
                        "pause_s": time.monotonic() - t0}
 
-    def poll(self, block: bool = False) -> None:
+    def poll(self, block: bool = False, lost: Optional[str] = None) -> None:
         """Once every part of the checkpoint being written is, write its manifest (and delete
         the checkpoints beyond ``keep``) in a thread of this scheduler; with ``block``, wait
-        for all of it."""
+        for all of it.  ``lost``: why the job stops or restarts meanwhile (a failure then is
+        said as such, not counted against checkpoint.max_failures)."""
         f = self.flight
         if f is None:
             return
@@ -114,7 +115,10 @@ class CheckpointWriter:
             return
         self.flight = None
         error = f["done"].exception()
-        if error is not None:
+        if error is not None and lost:
+            self.record.event("checkpoint_failed", f"checkpoint of step {f['step']} not completed: {lost}",
+                              step=f["step"], reason=_reason(error))
+        elif error is not None:
             self._failed(f["step"], error)
         else:
             self.failures = 0

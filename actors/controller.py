@@ -15,7 +15,8 @@ from typing import Callable, Optional
 from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
 from actors.failures import JobCancelled, JobFailure, LostWorkerFailure, WorkerLost, cell_name
-from actors.jobstates import Cancelled, Failed, Finishing, Preempted, Reshaping, Running, Starting, State, Succeeded
+from actors.jobstates import (Cancelled, Failed, Finishing, Preempted, Reshaping, Restarting, Running, Starting, State,
+                              Succeeded)
 from actors.record import JobRecord, metrics_row
 from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
@@ -55,6 +56,7 @@ class JobController:
         self.queued: Optional[tuple] = None          # (step, its calls, when the step before ended): sent early
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
         self.restarts_used = restarts_used           # of restarts.max, by the job's earlier schedulers and this one
+        self.restarted_at: Optional[float] = None    # a restart's loss (time.time()), until its first commit
         self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
         self.drain_stay = (0.0, -1)                  # no move off them before (this monotonic time, nor at this step)
 
@@ -294,7 +296,8 @@ class JobController:
         if not most:
             raise lost
         self.queued = None
-        self.keeper.finish_writing()  # a checkpoint under way when the worker went: complete, or not counted
+        # a checkpoint under way when the worker went: complete, or said not completed (not a storage failure)
+        self.keeper.finish_writing(lost=f"a worker was lost while it was written ({lost.bare})")
         root = self.keeper.checkpoint_root
         newest = checkpoint.latest(root, self.job_id) if root and self.restarts_used < most else None
         d = restarts.decide(self.spec, used=self.restarts_used, committed=self.record.step,
@@ -304,9 +307,10 @@ class JobController:
             raise JobFailure(d.message, detail=lost.detail)
         self.restarts_used += 1
         self.record.event("restarted", d.message, **d.fields, checkpoint=str(newest), detail=lost.detail)
+        self.restarted_at = lost.time
         self.group.teardown()
         self.keeper.resume = str(newest)
-        return Starting()
+        return Restarting()
 
     def _commit(self, step: int, stats: dict, wall: float, eval_loss: Optional[float] = None) -> None:
         spec, rec, shape = self.spec, self.record, self.group.shape
@@ -318,6 +322,8 @@ class JobController:
                           lr=lr_at(spec, step + 1))
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
+        if self.restarted_at is not None:  # the first step after a restart: from the loss to this commit
+            row["recovery_s"], self.restarted_at = time.time() - self.restarted_at, None
         rec.check_finite(row)
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:

@@ -29,9 +29,9 @@ class LostWorkerFailure(JobFailure):
     checkpoint when restarts.max allows (actors/controller.py), else fails with this message.
     ``bare``: the failure without the advice."""
 
-    def __init__(self, message: str, detail: str, bare: JobFailure):
+    def __init__(self, message: str, detail: str, bare: JobFailure, t_error: float):
         super().__init__(message, detail)
-        self.bare = bare
+        self.bare, self.time = bare, t_error
 
 
 class JobCancelled(RuntimeError):
@@ -106,7 +106,7 @@ def step_failure(errors: dict, step: Optional[int], phase: str, *, elastic: bool
     if lost and step is not None:
         return LostWorkerFailure(f"{failure}; a fixed-shape job stops when a worker is lost: set elastic.enabled: "
                                  "true to go on with the workers left, or restarts.max (with checkpoint.every_steps) "
-                                 "to restart it from its newest checkpoint", failure.detail, failure)
+                                 "to restart it from its newest checkpoint", failure.detail, failure, t_error)
     return failure
 
 

@@ -27,6 +27,14 @@ class Starting(State):
 
 
 @dataclass(frozen=True)
+class Restarting(Starting):
+    """A fixed-shape job that lost a worker places its shape afresh and resumes from its newest
+    checkpoint: RUNNING still, as after a restart of its scheduler."""
+
+    job_state = JobState.RUNNING
+
+
+@dataclass(frozen=True)
 class Running(State):
     """Between steps: ``step`` committed steps so far."""
 

@@ -44,6 +44,7 @@ class JobScheduler:
         self.record.high = rerun_through  # a restarted job: the steps its lost scheduler committed run again
         self.group = WorkerGroup(job_id, self.spec, search, timeout=timeout, start_timeout=start_timeout,
                                  detached=detached, log=self.record.log_output)
+        self.group.on_wait = lambda why: self.record.event("waiting", why)
         self.keeper = StateKeeper(self.group, checkpoint_root, resume, timeout, job_id)
         if model_dir is None and not (self.record.sink and detached):
             model_dir = tempfile.mkdtemp(prefix=f"relaytrain-{job_id}-model-")

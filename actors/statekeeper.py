@@ -227,12 +227,13 @@ class StateKeeper:
             return self.writer.due(committed) or self.writer.owed is not None
         return checkpoint_due(self.checkpoint_root, spec.checkpoint.every_steps, spec.training.steps, committed)
 
-    def finish_writing(self) -> None:
+    def finish_writing(self, lost: Optional[str] = None) -> None:
         """Let the checkpoint being written beside training finish (its event before the job's
-        end); a failure is its ``checkpoint_failed`` event, the job ends anyway."""
+        end); a failure is its ``checkpoint_failed`` event, the job ends anyway.  ``lost``: why
+        the job stops or restarts (said in that event)."""
         if self.writer is not None:
             try:
-                self.writer.poll(block=True)
+                self.writer.poll(block=True, lost=lost)
             except JobFailure:
                 pass
 

@@ -56,6 +56,7 @@ class WorkerGroup:
         self.joining: Optional[Joining] = None
         self._joining_made = 0                           # workers started for scale-ups (their names' numbers)
         self.cancelled = threading.Event()               # set by JobScheduler.cancel: stop waiting for placement
+        self.on_wait: Optional[Callable[[str], None]] = None  # told once when the placement waits (a waiting event)
 
     # ---------------------------------------------------------------- placing
 
@@ -128,17 +129,23 @@ class WorkerGroup:
         self.pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK",
                                   name=names.placement_group_name(self.job_id),
                                   lifetime="detached" if self.detached else None)
-        deadline = time.monotonic() + self.start_timeout
+        start = time.monotonic()
+        said = False
         while not self.pg.wait(0.5):
             if self.cancelled.is_set():
                 raise JobCancelled(f"job cancelled while waiting for {n} worker slots")
-            if time.monotonic() < deadline:
+            waited = time.monotonic() - start
+            if waited < self.start_timeout:
+                if waited > 3.0 and not said and self.on_wait is not None:  # what GET /v1/jobs/{id} shows meanwhile
+                    said = True
+                    self.on_wait(f"waiting for {n} worker slots of {bundle}: {_cpus()}; the job fails if they are "
+                                 f"not placed within {self.start_timeout:.0f} s (RELAYTRAIN_START_TIMEOUT_S)")
                 continue
             total = ray.cluster_resources()
             raise JobFailure(
-                f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s "
-                f"(the cluster has {total.get('CPU', 0):g} CPUs and {total.get('GPU', 0):g} GPUs in all); "
-                "lower dp x pp or the resources per worker, or add nodes")
+                f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s ({_cpus()}, "
+                f"{total.get('GPU', 0):g} GPUs in all); lower dp x pp or the resources per worker, wait for the "
+                "other jobs, or add nodes")
 
     def start_joining(self, k: int, up: tuple = (), detected: Optional[float] = None) -> None:
         """Start ``k`` workers for a scale-up in the background; ``up``: workers started for it
@@ -370,6 +377,12 @@ class WorkerGroup:
                 pass
         self.workers, self.joining = {}, None
         self._release_groups()
+
+
+def _cpus() -> str:
+    """The cluster's CPUs, and how many are free now (other jobs hold the rest)."""
+    total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+    return f"{free:g} of the cluster's {total:g} CPUs free now" if free < total else f"the cluster has {total:g} CPUs"
 
 
 def kill(handle) -> None:

@@ -85,8 +85,9 @@ def decide(spec: JobSpec, *, used: int, committed: int, newest_step: Optional[in
                else "none had been written yet")
         return Decision(False, f"{reason}, and there is no complete checkpoint to restart it from ({why})")
     rerun = max(0, committed - newest_step)
+    runs = "1 committed step runs" if rerun == 1 else f"{rerun} committed steps run"
     return Decision(True, f"{reason}; restart {used + 1} of {most} from the checkpoint of step {newest_step} "
-                          f"({rerun} committed steps run again)",
+                          f"({runs} again)",
                     {"reason": reason, "restart": used + 1, "restarts_max": most, "from_step": newest_step,
                      "rerun_steps": rerun})
 

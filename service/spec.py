@@ -400,6 +400,9 @@ class JobSpec(_Strict):
         if self.scheduling.preemptible and not self.checkpoint.every_steps:
             raise ValueError("scheduling.preemptible needs checkpoints: a preempted job resumes from its newest "
                              "checkpoint, so set checkpoint.every_steps (and checkpoint.path), or drop preemptible")
+        if self.restarts.max and not self.checkpoint.every_steps:
+            raise ValueError(f"restarts.max ({self.restarts.max}) restarts a job from its newest checkpoint, and this "
+                             "one writes none: set checkpoint.every_steps (and checkpoint.path), or restarts.max: 0")
         env_vars = self.runtime_env.get("env_vars")
         if isinstance(env_vars, dict) and "RAY_worker_niceness" in env_vars:
             raise ValueError("runtime_env.env_vars.RAY_worker_niceness: the job's processes take their niceness from "

@@ -273,13 +273,14 @@ def test_a_fixed_shape_job_that_loses_a_worker_says_what_would_have_kept_it_goin
     ({"max": 0}, 0, "; a fixed-shape job stops when a worker is lost: set elastic.enabled: true to go on with the "
                     "workers left, or restarts.max (with checkpoint.every_steps) to restart it from its newest "
                     "checkpoint"),
-    ({"max": 2}, 0, ", and there is no complete checkpoint to restart it from (checkpoint.every_steps is 0)"),
+    ({"max": 2}, 0, ", and there is no complete checkpoint to restart it from (none had been written yet)"),
     ({"max": 2}, 2, ", and its restarts are used up (2 of restarts.max 2)"),
 ])
 def test_a_fixed_shape_job_that_lost_a_worker_and_cannot_restart_says_why(restarts, used, says, monkeypatch):
     monkeypatch.setattr("actors.controller.largest_node_memory", lambda: 2.0**40)  # (asks Ray)
     d = spec(dp=1, pp=2).model_dump(mode="json")
     d["elastic"]["enabled"], d["restarts"] = False, restarts
+    d["checkpoint"] = {"every_steps": 10, "path": "ckpt"}  # (none written by the time the worker is lost)
     s = parse_spec(d)
     ctl, group, cluster, record = controller(s, nodes=2)
     ctl.restarts_used = used  # by the job's earlier schedulers

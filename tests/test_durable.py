@@ -47,7 +47,7 @@ def spec_dict(name: str, steps: int, path: str, every: int = 2, most: int = 1, d
 def test_restart_decisions_say_why():
     spec = parse_spec(spec_dict("d", 10, "s3://b/p", most=2))
     d = restarts.decide(spec, used=0, committed=7, newest_step=6, reason="lost")
-    assert d.restart and "restart 1 of 2 from the checkpoint of step 6 (1 committed steps run again)" in d.message
+    assert d.restart and "restart 1 of 2 from the checkpoint of step 6 (1 committed step runs again)" in d.message
     d = restarts.decide(spec, used=2, committed=7, newest_step=6, reason="lost")
     assert not d.restart and "restarts are used up (2 of restarts.max 2)" in d.message
     d = restarts.decide(spec, used=0, committed=1, newest_step=None, reason="lost")
@@ -64,7 +64,7 @@ def test_checkpoint_roots(tmp_path):
     assert restarts.checkpoint_root(spec, home=tmp_path, tenant="t", job_id="j") == "s3://bucket/runs/t/j"
     rel = parse_spec(spec_dict("d", 10, "ckpt"))
     assert restarts.checkpoint_root(rel, home=tmp_path, tenant="t", job_id="j") == str(tmp_path / "checkpoints/t/j")
-    none = parse_spec(spec_dict("d", 10, "ckpt", every=0))
+    none = parse_spec(spec_dict("d", 10, "ckpt", every=0, most=0))
     assert restarts.checkpoint_root(none) is None
 
 
@@ -73,7 +73,7 @@ def test_a_submitted_jobs_local_checkpoints_stay_under_the_folders_the_server_al
     home = tmp_path / "home"
     for ok in ("ckpt", "./a/b", f"{home}/mine", f"file://{home}/mine", "s3://bucket/x", "/shared/ck/team"):
         restarts.check_local_root(parse_spec(spec_dict("d", 10, ok)), home, ["/shared/ck"])
-    restarts.check_local_root(parse_spec(spec_dict("d", 10, "/etc", every=0)), home)  # writes no checkpoints
+    restarts.check_local_root(parse_spec(spec_dict("d", 10, "/etc", every=0, most=0)), home)  # writes no checkpoints
     for bad in ("/etc", f"{home}/../elsewhere", "file:///etc", "/shared/ckpt"):
         with pytest.raises(SpecError, match=rf"checkpoint.path '{re.escape(bad)}' is outside the folders this server "
                                             rf"lets jobs write to \({re.escape(str(home))}, /shared/ck\); use a "
@@ -82,6 +82,10 @@ def test_a_submitted_jobs_local_checkpoints_stay_under_the_folders_the_server_al
 
 
 def test_bad_restarts_and_paths_are_spec_errors():
+    with pytest.raises(SpecError, match=r"restarts.max \(2\) restarts a job from its newest checkpoint, and this one "
+                                        r"writes none: set checkpoint.every_steps \(and checkpoint.path\), or "
+                                        r"restarts.max: 0"):
+        parse_spec(spec_dict("d", 10, "ckpt", every=0, most=2))
     with pytest.raises(SpecError, match=r"restarts.max: Input should be greater than or equal to 0"):
         parse_spec(spec_dict("d", 10, "s3://b/p", most=-1))
     with pytest.raises(SpecError, match="unknown storage scheme 'nosuch'"):

@@ -215,7 +215,7 @@ class FakeKeeper:
     def due(self, committed: int, spec) -> bool:
         return False
 
-    def finish_writing(self) -> None:
+    def finish_writing(self, lost=None) -> None:
         pass
 
     def write_final(self, committed: int, out: dict) -> dict:
