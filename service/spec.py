@@ -298,9 +298,12 @@ class CheckpointSpec(_Strict):
     every_steps: StrictInt = Field(0, ge=0, description="write a checkpoint every N committed steps and after the last "
                                                   "(0 = no checkpoints)")
     path: str = Field("./checkpoints", min_length=1,
-                      description="where checkpoints go: a local folder (relative to the working directory), "
-                                  "file:///abs/path or s3://bucket/prefix; credentials and the endpoint come from "
-                                  "the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")
+                      description="where checkpoints go: a local folder, file:///abs/path or s3://bucket/prefix "
+                                  "(a submitted job writes under <path>/<tenant>/<job id>; with a relative local "
+                                  "path, under the server's data folder, <home>/checkpoints/<tenant>/<job id>, "
+                                  "whatever the relative path says; `relaytrain run` takes a relative path from its "
+                                  "working directory); credentials and the endpoint come from the environment "
+                                  "(AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL)")
     keep: StrictInt = Field(3, ge=1, description="how many recent checkpoints to keep (older ones are deleted, on the "
                                            "storage too)")
     max_failures: StrictInt = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
