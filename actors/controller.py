@@ -57,6 +57,7 @@ class JobController:
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
         self.restarts_used = restarts_used           # of restarts.max, by the job's earlier schedulers and this one
         self.restarted_at: Optional[float] = None    # a restart's loss (time.time()), until its first commit
+        self.waiting_for: Optional[str] = None         # the reason of the last waiting event
         self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
         self.drain_stay = (0.0, -1)                  # no move off them before (this monotonic time, nor at this step)
 
@@ -202,7 +203,8 @@ class JobController:
                        f"{', '.join(n[:12] for n in sorted(self.drains_seen))} after it announced it was draining: "
                        "no other slot came free before it went)") if self.drains_seen else ""
             return Failed(d.reason + drained)
-        if since is None:
+        if since is None or d.reason != self.waiting_for:  # (again when what it waits for changed: not stale)
+            self.waiting_for = d.reason
             self.record.event("waiting", d.reason, slots=slots)
         time.sleep(1.0)
         return again(since or time.monotonic())

@@ -4,6 +4,8 @@ steps succeed or fail as queued).  What a user would read is checked: the job's 
 error and its events."""
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from actors.controller import JobController
@@ -69,6 +71,17 @@ def test_below_min_workers_waits_then_fails_with_the_reason():
     [waiting] = events(record, "waiting")
     assert waiting["slots"] == 1
     assert events(record, "failed")[0]["message"] == record.error
+
+
+def test_what_a_waiting_job_waits_for_is_said_again_when_it_changes():
+    s = spec(dp=1, pp=3, min_workers=3, wait_timeout_s=2.5)
+    ctl, group, cluster, record = controller(s, nodes=1)
+    threading.Timer(1.2, lambda: cluster.add("node8")).start()  # a node joins; still one short
+    ctl.run()
+    assert record.state.value == "FAILED"
+    assert [(e["message"], e["slots"]) for e in events(record, "waiting")] == [
+        ("waiting for workers: 1 slot alive, the job needs at least elastic.min_workers=3", 1),
+        ("waiting for workers: 2 slots alive, the job needs at least elastic.min_workers=3", 2)]
 
 
 def test_a_draining_node_is_left_at_the_next_boundary():
