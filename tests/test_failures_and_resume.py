@@ -293,7 +293,8 @@ def test_restarts_max_restarts_a_fixed_shape_job_that_lost_a_worker(ray_session,
     assert re.fullmatch(r"worker w0\.1 at step \d+ died \(its process or node was lost\); restart 1 of 1 from the "
                         r"checkpoint of step \d+ \(\d+ committed steps? runs? again\)", restarted["message"]), restarted
     reruns = [m for m in result["metrics"] if m.get("rerun")]
-    assert [m["step"] for m in reruns] == list(range(restarted["from_step"] + 1, restarted["from_step"] + 1 + len(reruns)))
+    since = restarted["from_step"] + 1
+    assert [m["step"] for m in reruns] == list(range(since, since + len(reruns)))
     first = [m for m in result["metrics"] if m["step"] == restarted["from_step"] + 1][-1]  # after the restart
     assert 0 < first["recovery_s"] < 60  # from the loss to its commit
     assert [e["type"] for e in result["events"]].count("resumed") == 1
