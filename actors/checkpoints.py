@@ -21,7 +21,7 @@ from typing import Optional
 
 import ray
 
-from actors.failures import JobFailure
+from actors.failures import JobFailure, lost_actor
 from service import checkpoint
 
 
@@ -141,6 +141,10 @@ class CheckpointWriter:
                           pause_s=round(f["pause_s"], 4), copy_s=round(copy_s, 4), asked_at=f["asked"])
 
     def _failed(self, step: int, e: BaseException) -> None:
+        if lost_actor(e):  # not the storage: the step's own failure follows and says so (a restart or reshape)
+            self.record.event("checkpoint_failed", f"checkpoint of step {step} not completed: a worker was lost "
+                              f"while it was written ({_reason(e)})", step=step, reason=_reason(e))
+            return
         self.failures += 1
         reason = _reason(e)
         goes_on = ("training goes on" if self.failures < self.max_failures

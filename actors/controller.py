@@ -60,6 +60,8 @@ class JobController:
         self.waiting_for: Optional[str] = None         # the reason of the last waiting event
         self.drains_seen: set = set()                # draining nodes the job trains on (no slot to move to)
         self.drain_stay = (0.0, -1)                  # no move off them before (this monotonic time, nor at this step)
+        self.kept: dict = {}                         # a restart's live workers, by cell, until it installs the shape
+        self.restart_deadline = 0.0                  # a restart's new workers are tried until then (monotonic)
 
     # ---------------------------------------------------------------- the cluster scheduler's orders
 
@@ -120,7 +122,7 @@ class JobController:
     # ---------------------------------------------------------------- starting
 
     def _start(self, state: Starting) -> State:
-        early: dict = {}
+        early, self.kept = self.kept, {}  # a restart's live workers (see _restart)
         if self.layers is None:
             self.record.event("started", f"job {self.job_id} started")
             self.group.gpus = self.group.gpus_per_worker()
@@ -154,6 +156,20 @@ class JobController:
         start = copy["step"] if copy else 0
         try:
             self.reshaper.install(shape, why, early, start, self.layers.boundary(shape), copy=copy, donors={})
+        except JobFailure as e:  # (a user's error stops it at once)
+            if not (isinstance(state, Restarting) and e.lost) or time.monotonic() > self.restart_deadline:
+                self.group.stop_others(early.values())
+                raise
+            # a new worker placed on the lost node before Ray marked it dead (~15 s; then Ray places
+            # the node's bundle again): try again, with the live workers that are still live
+            who = _listed([cell_name(c) for c in sorted(e.lost)])
+            self.record.event("worker_lost", f"the restart's new worker {who} was lost while it started (its node "
+                              f"may be going: Ray places the job's slot again once it marks the node dead); trying "
+                              f"again until {self.group.start_timeout:.0f} s after the loss", detail=e.detail,
+                              workers=sorted(cell_name(c) for c in e.lost))
+            self.kept = self.group.keep_survivors([])
+            time.sleep(1.0)
+            return Restarting()
         except BaseException:
             self.group.stop_others(early.values())
             raise
@@ -238,7 +254,7 @@ class JobController:
         except WorkerLost as lost:
             return self._lost(step, refs, lost)
         except LostWorkerFailure as lost:  # a fixed-shape job
-            return self._restart(lost)
+            return self._restart(lost, [refs] + ([self.queued[1]] if self.queued else []))
         if self.queued is not None:
             self.queued = (*self.queued[:2], time.time())
         if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
@@ -289,11 +305,12 @@ class JobController:
                           workers=names)
         return Reshaping(move=move)
 
-    def _restart(self, lost: LostWorkerFailure) -> State:
+    def _restart(self, lost: LostWorkerFailure, calls: list[dict]) -> State:
         """A fixed-shape job lost a worker: while restarts.max allows and it has a checkpoint of
-        its own, every worker starts again (the same shape, placed afresh) and the job resumes
-        from the newest checkpoint, the steps since then run again; else it fails saying what
-        would have kept it going."""
+        its own, the live workers are kept, new ones take the lost workers' places (their
+        placement group's bundles), and every worker goes back to the newest checkpoint, the
+        steps since then run again; else it fails saying what would have kept it going.
+        ``calls``: the failed step's calls (and the next step's, sent early)."""
         most = self.spec.restarts.max
         if not most:
             raise lost
@@ -308,9 +325,16 @@ class JobController:
         if not d.restart:
             raise JobFailure(d.message, detail=lost.detail)
         self.restarts_used += 1
-        self.record.event("restarted", d.message, **d.fields, checkpoint=str(newest), detail=lost.detail)
+        before = sorted(self.group.workers)
+        self.kept = self.group.keep_survivors(calls)
+        kept, new = [cell_name(c) for c in sorted(self.kept)], [cell_name(c) for c in before if c not in self.kept]
+        said = (f"; {_listed(kept)} {'is' if len(kept) == 1 else 'are'} kept and "
+                f"{'a new worker takes the place' if len(new) == 1 else 'new workers take the places'} of {_listed(new)}"
+                if kept else "; every worker starts again")
+        self.record.event("restarted", d.message + said, **d.fields, checkpoint=str(newest), kept=kept, replaced=new,
+                          detail=lost.detail)
         self.restarted_at = lost.time
-        self.group.teardown()
+        self.restart_deadline = time.monotonic() + self.group.start_timeout
         self.keeper.resume = str(newest)
         return Restarting()
 
@@ -463,3 +487,7 @@ class JobController:
         """The first step of a new shape committed: record the reshape with its cost."""
         r, self.installed = self.installed, None
         self.record.reshaped(r, committed)
+
+
+def _listed(names: list) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"

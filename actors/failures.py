@@ -22,6 +22,7 @@ class JobFailure(RuntimeError):
     def __init__(self, message: str, detail: str = ""):
         super().__init__(message)
         self.detail = detail
+        self.lost: frozenset = frozenset()  # the workers (cells) found lost, when that was the cause
 
 
 class LostWorkerFailure(JobFailure):
@@ -107,12 +108,18 @@ def step_failure(errors: dict, step: Optional[int], phase: str, *, elastic: bool
         return LostWorkerFailure(f"{failure}; a fixed-shape job stops when a worker is lost: set elastic.enabled: "
                                  "true to go on with the workers left, or restarts.max (with checkpoint.every_steps) "
                                  "to restart it from its newest checkpoint", failure.detail, failure, t_error)
+    failure.lost = frozenset(c for c in lost if not _constructor_raised(errors[c]))
     return failure
 
 
 def cell_name(c: tuple) -> str:
     """A worker's name in messages: cell (1, 0) is 'w1.0'."""
     return f"w{c[0]}.{c[1]}"
+
+
+def _constructor_raised(err: BaseException) -> bool:
+    """A worker actor that died because its constructor raised (as worker_failure tells it)."""
+    return isinstance(err, ray.exceptions.ActorDiedError) and "__init__" in str(err)
 
 
 def worker_failure(name: str, step: Optional[int], err: BaseException, phase: str = "while starting") -> JobFailure:
@@ -125,7 +132,7 @@ def worker_failure(name: str, step: Optional[int], err: BaseException, phase: st
             what += f" (from {type(inner).__name__}: {_message(inner)})"
         if isinstance(cause, ray.exceptions.RayTaskError) or type(cause).__name__.startswith("RayTaskError"):
             what = str(err).strip().splitlines()[-1]
-    elif isinstance(err, ray.exceptions.ActorDiedError) and "__init__" in str(err):
+    elif _constructor_raised(err):
         lines = [ln for ln in str(err).splitlines() if ln.strip()]
         what = "failed to start: " + (lines[-1].strip() if lines else "its constructor raised")
     elif isinstance(err, ray.exceptions.RayActorError):

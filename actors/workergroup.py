@@ -45,7 +45,8 @@ class WorkerGroup:
         self.names: dict[str, str] = {}                  # actor id -> actor name
         self.gen = 0
         self.gpus = 0.0
-        self.pg = None
+        self.pg = None                                   # a fixed shape's placement group
+        self.bundles: dict[Cell, int] = {}               # a fixed shape's cells -> their bundle in it
         # an elastic job's tensor-parallel groups: one placement group each (STRICT_PACK: one node), so a
         # worker's group is its placement group and its TP rank its bundle: actor id -> (group id, rank)
         self.tp_groups: dict[str, tuple[str, int]] = {}
@@ -77,13 +78,16 @@ class WorkerGroup:
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
                                 "namespace": names.NAMESPACE, **heap.runtime_env(self.spec.runtime_env)}
         tp = self.spec.parallelism.tp
-        if not self.elastic:  # a fixed shape is placed all at once, packed; a TP group in one bundle (one node)
+        if not self.elastic and self.pg is None:  # a fixed shape is placed all at once, packed; a TP group in
+            # one bundle (one node).  A restart keeps it: a new worker takes the bundle of the worker it replaces
             self._reserve(len(cells) // tp, {"CPU": cpus * tp, **({"GPU": self.gpus * tp} if self.gpus else {})})
+            self.bundles = {c: i // tp for i, c in enumerate(cells)}
         out, pg = {}, None
         own_groups = self.elastic and tp > 1  # each TP group on one node, whatever node it gets
         for i, (r, s) in enumerate(cells):
             name = actor_names[i] if actor_names else names.worker_name(self.job_id, r, s, self.gen + 1 if self.gen else 0)
-            extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, i // tp)} if self.pg else {}
+            extra = ({"scheduling_strategy": PlacementGroupSchedulingStrategy(self.pg, self.bundles[(r, s)])}
+                     if self.pg else {})
             if own_groups:
                 if i % tp == 0:
                     self._groups_made += 1
@@ -367,6 +371,32 @@ class WorkerGroup:
                 kill(h)
         self._release_groups()
 
+    def keep_survivors(self, calls: list[dict], wait_s: float = 10.0) -> dict:
+        """After a fixed-shape job lost a worker: wake the others from the step (and from a step
+        queued behind it; ``calls``: cell -> ref, per call), and keep those that answer a ping and
+        whose calls have ended (cell -> worker).  The rest are stopped; the placement group stays,
+        so a new worker takes the bundle of the one it replaces (on a lost node's, Ray places that
+        bundle again wherever there is room)."""
+        pings = self.abort_all()
+        ray.wait(list(pings.values()), num_returns=len(pings), timeout=2.0)
+        alive = {}
+        for c, ref in pings.items():
+            try:
+                ray.get(ref, timeout=0)
+                alive[c] = self.workers[c]
+            except Exception:
+                continue
+        ends = [r[c] for r in calls for c in alive if c in r]
+        ended, _ = ray.wait(ends, num_returns=len(ends), timeout=wait_s)
+        ended = set(ended)
+        kept = {c: h for c, h in alive.items() if all(r[c] in ended for r in calls if c in r)}
+        for c, h in self.workers.items():
+            if c not in kept:
+                kill(h)
+        self.workers = kept
+        self.where = {c: w for c, w in self.where.items() if c in kept}
+        return kept
+
     def teardown(self) -> None:
         for w in list(self.workers.values()) + (self.joining.handles if self.joining else []):
             kill(w)
@@ -375,7 +405,7 @@ class WorkerGroup:
                 remove_placement_group(self.pg)
             except Exception:
                 pass
-        self.workers, self.joining = {}, None
+        self.workers, self.joining, self.pg = {}, None, None
         self._release_groups()
 
 

@@ -38,6 +38,10 @@ class _StoreCounters:
         c = CounterMetricFamily("relaytrain_reshapes", "reshapes of jobs in the store (all tenants)")
         c.add_metric([], self.store.count_events("reshape"))
         yield c
+        r = CounterMetricFamily("relaytrain_restarts", "restarts of jobs in the store (a lost scheduler, or a fixed-shape "
+                                "job's lost worker; all tenants)")
+        r.add_metric([], self.store.count_events("restarted"))
+        yield r
 
 
 class Telemetry:

@@ -266,3 +266,36 @@ def test_old_format_still_loads(tmp_path):
     # a new checkpoint beside it is newer and prunes it
     checkpoint.save(tmp_path, 13, **state, meta={}, keep=1)
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["step-00000013"]
+
+
+def test_a_checkpoint_a_lost_worker_could_not_write_is_not_counted_as_a_storage_failure():
+    """A node crash seen first by the checkpoint's calls (the step's own failure came after):
+    "failed (1 in a row, ...); training goes on" was written, and counted against
+    checkpoint.max_failures, though the storage was fine and the job was about to restart."""
+    import ray.exceptions
+
+    from actors.checkpoints import CheckpointWriter
+    from actors.failures import JobFailure
+    from service.spec import parse_spec
+    from tests.test_api import small_spec
+
+    class Record:
+        def __init__(self):
+            self.events = []
+
+        def event(self, kind, message, **fields):
+            self.events.append((kind, message, fields))
+
+    spec = parse_spec(small_spec("ckpt-lost", checkpoint={"every_steps": 5, "max_failures": 2}))
+    record = Record()
+    writer = CheckpointWriter(None, None, spec, record, {}, timeout=1.0)
+    for step in (5, 10, 15):
+        writer._failed(step, ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable: RpcError", None))
+    assert writer.failures == 0
+    assert [m.split(" (")[0] for _, m, _ in record.events] == [
+        f"checkpoint of step {s} not completed: a worker was lost while it was written" for s in (5, 10, 15)]
+    assert "ActorUnavailableError: The actor None is unavailable" in record.events[0][1]
+    writer._failed(20, OSError("the bucket timed out"))  # the storage: counted
+    assert writer.failures == 1 and record.events[-1][1].endswith("OSError: the bucket timed out; training goes on")
+    with pytest.raises(JobFailure, match="2 checkpoints in a row could not be written"):
+        writer._failed(25, OSError("the bucket timed out"))

@@ -404,6 +404,38 @@ def test_without_a_current_copy_the_steps_since_the_checkpoint_are_rerun(cluster
     assert len(reruns) == reshape["steps_lost"] and reruns == list(range(restored + 1, restored + 1 + len(reruns)))
 
 
+def test_a_fixed_shape_job_that_loses_a_node_restarts_on_another_and_keeps_its_live_worker(cluster, tmp_path):
+    """A fixed shape (no elastic) with restarts.max: w0.1's node crashes; the job keeps w0.0 and
+    its process, Ray places the lost bundle of the job's placement group on the spare node, a new
+    worker takes it, and every worker goes back to the newest checkpoint."""
+    import ray
+
+    with_nodes(cluster, 3)
+    d = elastic_spec("fixed-lose-node", 1, 2, steps=150).model_dump(mode="json")
+    d["elastic"]["enabled"] = False
+    d["checkpoint"] = {"every_steps": 5, "path": str(tmp_path / "ckpt"), "keep": 2}
+    d["restarts"] = {"max": 1}
+    spec = parse_spec(d)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(12)
+    survivor, victim = job.worker("w0.0"), p["shape"]["workers"]["w0.1"]
+    cluster.remove_node(node_of(cluster, victim), allow_graceful=False)
+    result = job.finish()
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec))
+    [restarted] = events(result, "restarted")
+    assert restarted["kept"] == ["w0.0"] and restarted["replaced"] == ["w0.1"]
+    assert "restart 1 of 1 from the checkpoint of step" in restarted["message"]
+    shapes = events(result, "shape")
+    assert shapes[-1]["workers"]["w0.1"] not in (victim, shapes[-1]["workers"]["w0.0"])  # on the spare node
+    first = [m for m in result["metrics"] if m["step"] == restarted["from_step"] + 1][-1]
+    assert 0 < first["recovery_s"] < 60
+    for e in events(result, "worker_lost"):  # a new worker placed on the crashed node before Ray marked it dead
+        assert e["message"].startswith("the restart's new worker w0.1 was lost while it started") and e["workers"] == ["w0.1"]
+    with pytest.raises(ray.exceptions.RayActorError):  # the job's end stopped the kept worker: it was one process
+        ray.get(survivor.ping.remote(), timeout=10)
+
+
 def test_drained_node_is_left_before_its_deadline(cluster, tmp_path):
     from ray._raylet import GcsClient
     from ray.core.generated import autoscaler_pb2

@@ -266,8 +266,9 @@ def test_a_model_no_node_can_hold_fails_before_its_workers_allocate_it(ray_sessi
 
 def test_restarts_max_restarts_a_fixed_shape_job_that_lost_a_worker(ray_session, tmp_path):
     """A worker's process killed mid-run (as an out-of-memory kill or a lost spot node would):
-    the fixed-shape job starts every worker again, resumes from its newest checkpoint, and ends
-    with the parameters of an uninterrupted run; the steps since the checkpoint run again."""
+    the fixed-shape job keeps the live worker, starts one in place of the lost one, resumes
+    from its newest checkpoint, and ends with the parameters of an uninterrupted run; the steps
+    since the checkpoint run again."""
     import ray
 
     from tests.test_elastic import Job, check_result, events, final_params
@@ -284,14 +285,22 @@ def test_restarts_max_restarts_a_fixed_shape_job_that_lost_a_worker(ray_session,
     })
     job = Job(spec, tmp_path)
     job.wait_step(12)
+    survivor = job.worker("w0.0")
     ray.kill(job.worker("w0.1"))
+    deadline = time.monotonic() + 60
+    while not [e for e in ray.get(job.sched.poll.remote(10**9, 0))["events"] if e["type"] == "restarted"]:
+        assert time.monotonic() < deadline and job.thread.is_alive(), f"no restarted event: {job.error}"
+        time.sleep(0.02)
+    assert ray.get(survivor.ping.remote(), timeout=10)  # its process lives on: kept, not started again
     result = job.finish()
     assert job.error is None, job.error
     assert_same_params(final_params(tmp_path), check_result(result, spec))
     [restarted] = events(result, "restarted")
     assert restarted["from_step"] % 5 == 0 and restarted["from_step"] >= 5 and restarted["restart"] == 1
     assert re.fullmatch(r"worker w0\.1 at step \d+ died \(its process or node was lost\); restart 1 of 1 from the "
-                        r"checkpoint of step \d+ \(\d+ committed steps? runs? again\)", restarted["message"]), restarted
+                        r"checkpoint of step \d+ \(\d+ committed steps? runs? again\); w0\.0 is kept and a new worker "
+                        r"takes the place of w0\.1", restarted["message"]), restarted
+    assert restarted["kept"] == ["w0.0"] and restarted["replaced"] == ["w0.1"]
     reruns = [m for m in result["metrics"] if m.get("rerun")]
     since = restarted["from_step"] + 1
     assert [m["step"] for m in reruns] == list(range(since, since + len(reruns)))

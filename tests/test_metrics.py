@@ -50,7 +50,9 @@ def test_api_metrics_names_and_labels(tmp_path, monkeypatch):
     store = Store(settings.db_url)
     store.create_job("a-1", "local", {"name": "a", "training": {"steps": 3}})
     store.add_events("a-1", [{"type": "reshape", "message": "reshaped 2x2 -> 1x3", "recovery_s": 1.5},
-                             {"type": "shape", "message": "shape"}])
+                             {"type": "shape", "message": "shape"},
+                             {"type": "restarted", "message": "restart 1 of 2", "restart": 1},
+                             {"type": "restarted", "message": "restart 2 of 2", "restart": 2}])
     with TestClient(create_app(settings, connect_ray=False)) as c:
         assert c.get("/v1/jobs/a-1").status_code == 200
         assert c.get("/v1/jobs/nope").status_code == 404
@@ -68,9 +70,12 @@ def test_api_metrics_names_and_labels(tmp_path, monkeypatch):
     assert latency.type == "histogram" and {"method", "route", "le"} <= set(latency.samples[0].labels)
     reshapes = fam["relaytrain_reshapes"]
     assert reshapes.type == "counter" and [s.value for s in reshapes.samples if s.name.endswith("_total")] == [1.0]
+    restarts = fam["relaytrain_restarts"]
+    assert restarts.type == "counter" and [s.value for s in restarts.samples if s.name.endswith("_total")] == [2.0]
     doc = observability_section()
     for name in ("relaytrain_jobs{state}", "relaytrain_http_requests_total{method,route,status}",
-                 "relaytrain_http_request_seconds{method,route}", "relaytrain_reshapes_total"):
+                 "relaytrain_http_request_seconds{method,route}", "relaytrain_reshapes_total",
+                 "relaytrain_restarts_total"):
         assert f"`{name}`" in doc, name
 
 

@@ -318,7 +318,13 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
             assert evals.first.get_attribute("fill") == "#dd6b20"
             assert evals.nth(1).locator("title").text_content() == "step 6: eval loss 1.71"
             assert page.locator("#loss-legend").inner_text().split("\n") == \
-                ["training loss", "eval loss (3)", "skipped step (1)"]
+                ["training loss", "eval loss (3)", "skipped step (1)", "restart (1)"]
+            # the restart from step 3's checkpoint: a mark where the steps ran again, on every chart
+            for chart in ("#loss-curve", "#speed-curve", "#lr-curve", "#grad-curve"):
+                assert page.locator(f'{chart} g[data-restart="4"]').count() == 1, chart
+            mark = loss.locator('g[data-restart="4"]')
+            assert mark.locator("title").text_content() == "restart 1 at step 4: restart 1 of 2 from step 3"
+            assert mark.locator("line").get_attribute("stroke") == "#9c4221"
             swatch = page.locator('#loss-legend [data-series="eval_loss"] .swatch')
             assert swatch.evaluate("e => getComputedStyle(e).backgroundColor") == rgb("#dd6b20")
             # the skipped step: a mark on the loss and gradient-norm charts, its loss point ringed,

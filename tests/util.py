@@ -78,6 +78,7 @@ class FakeGroup:
         self.gpus = 0.0
         self.joining: Optional[Joining] = None
         self.steps_run: list[int] = []
+        self.lost: set = set()                  # the cells of the last failed step's errors
         self.started_joining: list[tuple] = []  # (workers started, workers already up) per background start
         self._outcomes: collections.deque = collections.deque()
         cluster.group = self
@@ -113,6 +114,7 @@ class FakeGroup:
         if before:
             before()
         if errors:
+            self.lost = set(errors)
             raise step_failure(errors, step, phase, elastic=self.elastic, t_error=time.time())
         self.steps_run.append(step + 1)
         now = time.time()
@@ -146,6 +148,12 @@ class FakeGroup:
         """Workers started for a growth are up at the next boundary."""
         got, self.joining = self.joining, None
         return {("new", i): h for i, h in enumerate(got.handles)} if got else None
+
+    def keep_survivors(self, calls: list, wait_s: float = 10.0) -> dict:
+        """The workers whose cells the last failed step did not lose (a fixed-shape restart)."""
+        self.workers = {c: w for c, w in self.workers.items() if c not in self.lost}
+        self.where = {c: w for c, w in self.where.items() if c in self.workers}
+        return dict(self.workers)
 
     def teardown(self) -> None:
         self.workers = {}

@@ -593,11 +593,16 @@ function weightLegend() {
 // ------------------------------------------------------------------ curves
 
 const COLORS = { loss: "#3a62c4", eval: "#dd6b20", speed: "#2f855a", lr: "#6b46c1", grad: "#b7791f",
-                 skipped: "#c53030", clip: "#7b8794" };
+                 skipped: "#c53030", clip: "#7b8794", restart: "#9c4221" };
 
 function drawCharts(v) {
   const rows = v.metrics;
-  const reshapes = v.events.filter((e) => e.type === "reshape" && e.step != null);
+  // reshapes at their new shape's first step; restarts at the first step they ran again
+  const reshapes = [
+    ...v.events.filter((e) => e.type === "reshape" && e.step != null),
+    ...v.events.filter((e) => e.type === "restarted" && e.from_step != null)
+      .map((e) => ({ ...e, step: e.from_step + 1, restarted: true }))];
+  const restarts = reshapes.filter((e) => e.restarted).length;
   const skipped = rows.filter((r) => r.skipped).map((r) => r.step);
   const evals = rows.filter((r) => finite(r.eval_loss)).length;
   lineChart($("#loss-curve"), rows, "loss", { color: COLORS.loss, fmt: fmtNum, reshapes, skipped, id: "loss",
@@ -606,7 +611,8 @@ function drawCharts(v) {
   legend($("#loss-legend"), [
     { series: "loss", label: "training loss", color: COLORS.loss, mark: "line" },
     evals && { series: "eval_loss", label: `eval loss (${evals})`, color: COLORS.eval, mark: "dot" },
-    skipped.length && { series: "skipped", label: `skipped step (${skipped.length})`, color: COLORS.skipped, mark: "skip" }]);
+    skipped.length && { series: "skipped", label: `skipped step (${skipped.length})`, color: COLORS.skipped, mark: "skip" },
+    restarts && { series: "restart", label: `restart (${restarts})`, color: COLORS.restart, mark: "mark" }]);
   lineChart($("#speed-curve"), rows, "samples_per_s", { color: COLORS.speed, fmt: fmtSpeed, reshapes, id: "speed" });
   // the recipe: the learning rate each step used, the gradient norm before clipping
   const has = (key) => rows.some((r) => key in r);
@@ -700,7 +706,7 @@ const MAX_MARKERS = 5000;  // a marker per step up to this many; beyond, the lin
 
 // rows' `key` over steps: a point per finite value, the line broken where a step has none (null,
 // NaN, Infinity); `extra` series (points on the steps that have them, joined), `skipped` steps
-// and reshapes as vertical marks, `hlines` as dashed horizontal ones
+// and reshapes (restarts among them) as vertical marks, `hlines` as dashed horizontal ones
 function lineChart(box, rows, key, { color, fmt, reshapes = [], skipped = [], id, extra = [], hlines = [], tip }) {
   const pts = rows.filter((r) => finite(r[key]));
   box.scale = null;
@@ -728,9 +734,10 @@ function lineChart(box, rows, key, { color, fmt, reshapes = [], skipped = [], id
   root.append(svg("text", { x: W - R, y: H - 4, "text-anchor": "end", "font-size": 11, fill: "#7b8794" }, "step"));
   for (const e of reshapes) {
     if (e.step < x0 || e.step > x1) continue;
-    const g = svg("g", { "data-reshape": String(e.step) });
-    g.append(svg("line", { x1: X(e.step), x2: X(e.step), y1: T, y2: H - B, stroke: "#6b46c1", "stroke-dasharray": "4 3" }));
-    g.append(svg("title", {}, `step ${e.step}: ${e.message}`));
+    const g = svg("g", { [e.restarted ? "data-restart" : "data-reshape"]: String(e.step) });
+    g.append(svg("line", { x1: X(e.step), x2: X(e.step), y1: T, y2: H - B, "stroke-dasharray": "4 3",
+                           stroke: e.restarted ? COLORS.restart : "#6b46c1", "stroke-width": e.restarted ? 1.6 : 1 }));
+    g.append(svg("title", {}, e.restarted ? `restart ${e.restart} at step ${e.step}: ${e.message}` : `step ${e.step}: ${e.message}`));
     root.append(g);
   }
   for (const s of skipped) {
