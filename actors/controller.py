@@ -22,7 +22,7 @@ from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
 from service import elastic_policy as policy
-from service import checkpoint, partition, planner, restarts
+from service import checkpoint, partition, planner
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 
@@ -317,11 +317,9 @@ class JobController:
         self.queued = None
         # a checkpoint under way when the worker went: complete, or said not completed (not a storage failure)
         self.keeper.finish_writing(lost=f"a worker was lost while it was written ({lost.bare})")
-        root = self.keeper.checkpoint_root
-        newest = checkpoint.latest(root, self.job_id) if root and self.restarts_used < most else None
-        d = restarts.decide(self.spec, used=self.restarts_used, committed=self.record.step,
-                            newest_step=checkpoint.step_of(newest) if newest is not None else None,
-                            reason=str(lost.bare))
+        d, newest = checkpoint.restart_decision(self.spec, self.keeper.checkpoint_root, self.job_id,
+                                                used=self.restarts_used, committed=self.record.step,
+                                                reason=str(lost.bare))
         if not d.restart:
             raise JobFailure(d.message, detail=lost.detail)
         self.restarts_used += 1

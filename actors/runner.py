@@ -139,9 +139,7 @@ def _restart_from(spec: JobSpec, root: Optional[str], used: int, committed: int,
     """The checkpoint a job whose scheduler was lost restarts from (a ``restarted`` event says
     so); raises :class:`JobFailed` when it does not restart (service/restarts.py)."""
     reason = "the job's scheduler actor was lost (killed, out of memory, or its node went)"
-    newest = checkpoint.latest(root, job_id) if root and used < spec.restarts.max else None  # its own
-    step = checkpoint.step_of(newest) if newest is not None else None
-    d = restarts.decide(spec, used=used, committed=committed, newest_step=step, reason=reason)
+    d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason)
     if not d.restart:
         row = {"type": "failed", "message": d.message}
         if store:

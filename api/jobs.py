@@ -328,17 +328,13 @@ class JobManager:
         past = self.store.events_of(job_id, ["restarted", "cancel_requested"])
         used = sum(e["type"] == "restarted" for e in past)
         cancelling = any(e["type"] == "cancel_requested" for e in past)
-        root, newest = self.checkpoint_root(job), None
-        if root and used < spec.restarts.max and not cancelling:
-            try:
-                newest = checkpoint.latest(root, job_id)
-            except Exception as e:
-                self._fail(job_id, f"{self.LOST}, and its checkpoints at {root} could not be read: "
-                                   f"{type(e).__name__}: {e}")
-                return
-        step = checkpoint.step_of(newest) if newest is not None else None
-        d = restarts.decide(spec, used=used, committed=job["step"], newest_step=step, reason=self.LOST,
-                            cancelling=cancelling)
+        root = self.checkpoint_root(job)
+        try:
+            d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
+                                                    reason=self.LOST, cancelling=cancelling)
+        except Exception as e:
+            self._fail(job_id, f"{self.LOST}, and its checkpoints at {root} could not be read: {type(e).__name__}: {e}")
+            return
         if cancelling:
             if self.store.set_state(job_id, JobState.CANCELLED):
                 self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])

@@ -522,6 +522,20 @@ def latest(root: str | Path, job_id: Optional[str] = None) -> Optional[Where]:
     return found[-1] if found else None
 
 
+def restart_decision(spec, root: Optional[str], job_id: str, *, used: int, committed: int, reason: str,
+                     cancelling: bool = False):
+    """Whether a job that lost its scheduler or a worker restarts (service/restarts.py
+    ``decide``), with the newest complete checkpoint of its own under ``root``, read only when
+    a restart could use it: (the decision, that checkpoint or None).  Reading the storage may
+    raise."""
+    from service import restarts
+
+    newest = latest(root, job_id) if root and used < spec.restarts.max and not cancelling else None
+    d = restarts.decide(spec, used=used, committed=committed, newest_step=step_of(newest) if newest is not None else None,
+                        reason=reason, cancelling=cancelling)
+    return d, newest
+
+
 def resolve(path: str | Path) -> Where:
     """A checkpoint folder, or the newest one under a checkpoint root."""
     p = _loc(path)
