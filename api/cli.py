@@ -330,9 +330,9 @@ def _cluster(client, args):
           f"{'' if len(queue) == 1 else 's'} queued")
     tenants = c.get("tenants") or []
     if tenants:
-        rows = [("TENANT", "WEIGHT", "SHARE", "USING", "RUNNING", "QUEUED")] + [
-            (t["tenant"], f"{t['weight']:g}", f"{t['share']:.3g}", f"{t['using']:g}", str(t["running"]),
-             str(t["queued"])) for t in tenants]
+        rows = [("TENANT", "WEIGHT", "SHARE", "USING", "STARTING", "RUNNING", "QUEUED")] + [
+            (t["tenant"], f"{t['weight']:g}", f"{t['share']:.3g}", f"{t['using']:g}", f"{t.get('starting', 0):g}",
+             str(t["running"]), str(t["queued"])) for t in tenants]
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         for r in rows:
             print("  ".join(r[0].ljust(widths[0]) if i == 0 else v.rjust(widths[i]) for i, v in enumerate(r)).rstrip())

@@ -48,6 +48,23 @@ def demand(job: dict, spec: JobSpec, workers: int) -> fairshare.JobDemand:
         preemptible=spec.scheduling.preemptible, running=workers, sizes=tuple(usable) if usable else None)
 
 
+def placed(job: dict) -> int:
+    """Workers of the job's placed shape (every worker of it: replicated stages' and TP groups'
+    too); 0 before it has one (queued, or admitted and waiting for or starting its workers)."""
+    shape = job.get("shape") or {}
+    if not shape.get("dp"):
+        return 0
+    return int(shape["dp"]) * (sum(shape.get("replicas") or ()) or int(shape["pp"]) * int(shape.get("tp") or 1))
+
+
+def allotment_message(job: dict, a: fairshare.Allocation) -> str:
+    """A shrink or grow event's message: the policy's reason, and for a job with no workers
+    placed yet (waiting for slots) that only its allotment changes."""
+    if placed(job):
+        return a.reason
+    return f"{a.reason} (it has no workers placed yet: only its allotment changes, nothing stops)"
+
+
 class ClusterScheduler:
     def __init__(self, settings: Settings, store: Store, weights: dict[str, float],
                  admit: Callable[[dict, int, bool], None]):
@@ -76,9 +93,8 @@ class ClusterScheduler:
         """Workers a job holds (or is starting) now (``spec``: the job's, when already read)."""
         if job["state"] == JobState.QUEUED.value:
             return 0
-        shape = job.get("shape") or {}
-        if shape.get("dp"):  # every worker of its shape: replicated stages' and TP groups' too
-            return int(shape["dp"]) * (sum(shape.get("replicas") or ()) or int(shape["pp"]) * int(shape.get("tp") or 1))
+        if placed(job):
+            return placed(job)
         if job["id"] in self.allotted:
             return self.allotted[job["id"]]
         spec = spec or JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed
@@ -157,7 +173,7 @@ class ClusterScheduler:
         changed = ray.get(sched.set_allocation.remote(a.workers, a.reason), timeout=10)
         self.allotted[job_id] = a.workers
         if changed and a.action in ("shrink", "grow"):
-            self.store.add_events(job_id, [{"type": a.action, "message": a.reason, "workers": a.workers}])
+            self.store.add_events(job_id, [{"type": a.action, "message": allotment_message(job, a), "workers": a.workers}])
 
     # ---------------------------------------------------------------- what clients see
 
@@ -172,8 +188,9 @@ class ClusterScheduler:
         tenants: dict[str, dict] = {}
         for j, _, d in jobs:
             t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
-                                                 "using": 0.0, "running": 0, "queued": 0})
-            t["using"] += d.running * d.per_worker
+                                                 "using": 0.0, "starting": 0.0, "running": 0, "queued": 0})
+            t["using"] += placed(j) * d.per_worker
+            t["starting"] += (d.running - placed(j)) * d.per_worker  # allotted, its workers not placed yet
             t["queued" if j["state"] == JobState.QUEUED.value else "running"] += 1
         total_w = sum(t["weight"] for t in tenants.values()) or 1.0
         for t in tenants.values():

@@ -17,7 +17,9 @@ class TenantUse(BaseModel):
     tenant: str
     weight: float = Field(description="its weight in the fair shares (RELAYTRAIN_TENANT_WEIGHTS, tokens, file)")
     share: float = Field(description="CPU slots its weight entitles it to among the tenants with work now")
-    using: float = Field(description="CPU slots its jobs hold now")
+    using: float = Field(description="CPU slots of its jobs' placed shapes")
+    starting: float = Field(0.0, description="CPU slots allotted to its admitted jobs that have no workers placed yet "
+                                             "(waiting for slots, or starting them); the fair shares count them as held")
     running: int = Field(description="its jobs admitted (PENDING, RUNNING, RESHAPING)")
     queued: int = Field(description="its jobs QUEUED")
 

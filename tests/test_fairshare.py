@@ -169,3 +169,35 @@ def test_fifo_never_preempts():
 def test_unknown_policy_is_refused():
     with pytest.raises(ValueError, match="unknown queue policy 'lifo'; one of fifo, fair, elastic"):
         allocate(4, [], policy="lifo")
+
+
+def test_an_admitted_job_with_no_workers_placed_shows_as_starting_not_using(tmp_path):
+    """A user trial: an elastic job admitted against the autoscaler's ceiling, waiting for slots,
+    showed USING 8 in `relaytrain cluster`, and its allotment's changes were written as "shrink
+    from 8 to 4 workers" though no worker of it had started.  The fair shares still count its
+    allotment as held (so it is not given away twice); the view and the events say what it is."""
+    from api.cluster import ClusterScheduler, allotment_message
+    from service.fairshare import Allocation
+    from service.settings import Settings
+    from service.states import JobState
+    from service.store import Store
+    from tests.test_api import small_spec
+
+    settings = Settings(home=tmp_path)
+    store = Store(settings.db_url)
+    elastic = {"elastic": {"enabled": True, "min_workers": 2, "max_workers": 8}}
+    store.create_job("runs", "alice", small_spec("runs", **elastic), state=JobState.RUNNING)
+    store.update_job("runs", shape={"dp": 2, "pp": 2})
+    store.create_job("waits", "alice", small_spec("waits", **elastic), state=JobState.PENDING)
+    store.create_job("bobs", "bob", small_spec("bobs"), state=JobState.QUEUED)
+    cs = ClusterScheduler(settings, store, {}, admit=lambda job, workers, resume: None)
+    cs.allotted["waits"] = 8
+    alice, bob = cs.view("alice")["tenants"]
+    assert (alice["using"], alice["starting"], alice["running"], alice["queued"]) == (4, 8, 2, 0)
+    assert (bob["using"], bob["starting"], bob["running"], bob["queued"]) == (0, 0, 0, 1)
+
+    why = "shrink from 8 to 4 workers to give 4 slots to job bobs of tenant bob"
+    a = Allocation(workers=4, action="shrink", reason=why)
+    assert allotment_message(store.get_job("waits"), a) == (
+        f"{why} (it has no workers placed yet: only its allotment changes, nothing stops)")
+    assert allotment_message(store.get_job("runs"), a) == why

@@ -476,7 +476,7 @@ def test_queue_in_the_api_and_the_cli(server, queued_jobs):
     with server.client() as cl:
         view = cl.get("/v1/cluster").json()
     assert [t["tenant"] for t in view["tenants"]] == ["alice", "bob"]
-    assert [(t["queued"], t["running"], t["using"]) for t in view["tenants"]] == [(2, 0, 0), (1, 0, 0)]
+    assert [(t["queued"], t["running"], t["using"], t["starting"]) for t in view["tenants"]] == [(2, 0, 0, 0), (1, 0, 0, 0)]
     assert [(q["position"], q["tenant"], q["job"]) for q in view["queue"]] == \
         [(1, "alice", a["id"]), (2, "alice", b["id"]), (3, "bob", None)]  # bob's job, unnamed
 
@@ -497,9 +497,9 @@ def test_queue_in_the_api_and_the_cli(server, queued_jobs):
     assert cluster.returncode == 0, cluster.stderr
     out = cluster.stdout.splitlines()
     assert out[0] == f"policy {view['policy']}, capacity {view['capacity']:g} CPU slots, 3 jobs queued"
-    assert out[1].split() == ["TENANT", "WEIGHT", "SHARE", "USING", "RUNNING", "QUEUED"]
-    assert out[2].split() == ["alice", "1", f"{view['tenants'][0]['share']:.3g}", "0", "0", "2"]
-    assert out[3].split() == ["bob", "1", f"{view['tenants'][1]['share']:.3g}", "0", "0", "1"]
+    assert out[1].split() == ["TENANT", "WEIGHT", "SHARE", "USING", "STARTING", "RUNNING", "QUEUED"]
+    assert out[2].split() == ["alice", "1", f"{view['tenants'][0]['share']:.3g}", "0", "0", "0", "2"]
+    assert out[3].split() == ["bob", "1", f"{view['tenants'][1]['share']:.3g}", "0", "0", "0", "1"]
     assert out[4] == "queue:"
     assert out[5:] == [f"    1. alice  {a['id']}: {a['queue']['reason']}",
                        f"    2. alice  {b['id']}: {b['queue']['reason']}",
@@ -551,9 +551,9 @@ def test_web_page_shows_the_queue_and_the_cluster(server, queued_jobs):
             cells = "r => [...r.querySelectorAll('td')].map(td => td.textContent)"
             share = [f"{t['share']:.3g}" for t in view["tenants"]]
             assert page.locator('#cluster-tenants tr[data-tenant="alice"]').evaluate(cells) == \
-                ["alice", "1", share[0], "0", "0", "2"]
+                ["alice", "1", share[0], "0", "0", "0", "2"]
             assert page.locator('#cluster-tenants tr[data-tenant="bob"]').evaluate(cells) == \
-                ["bob", "1", share[1], "0", "0", "1"]
+                ["bob", "1", share[1], "0", "0", "0", "1"]
             page.screenshot(path=str(ARTIFACTS / "ui-queue-list.png"))
 
             # the state filter knows QUEUED: alice's two queued jobs, nothing else

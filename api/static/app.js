@@ -243,13 +243,14 @@ function drawCluster(c) {
   $("#cluster-tenants").hidden = !tenants.length;
   $("#cluster-idle").hidden = tenants.length > 0;
   $("#cluster-tenants tbody").replaceChildren(...tenants.map((t) => {
-    const over = t.using > t.share + 1e-9;
+    const over = t.using + (t.starting || 0) > t.share + 1e-9;
     return el("tr", { "data-tenant": t.tenant, class: over ? "over" : "" },
       el("td", { class: "mono", text: t.tenant }),
       el("td", { class: "num", text: fmtNum(t.weight, 3) }),
       el("td", { class: "num", text: fmtNum(t.share, 3) }),
       el("td", { class: "num using", text: fmtNum(t.using, 3),
                  title: over ? "above its weighted share: elastic jobs may shrink when others wait" : "" }),
+      el("td", { class: "num starting", text: fmtNum(t.starting || 0, 3) }),
       el("td", { class: "num", text: String(t.running) }),
       el("td", { class: "num", text: String(t.queued) }));
   }));
