@@ -147,7 +147,7 @@ class WorkerGroup:
                 continue
             total = ray.cluster_resources()
             raise JobFailure(
-                f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s ({_cpus()}, "
+                f"could not place {n} workers of {bundle} within {self.start_timeout:.0f} s ({_cpus(total)}, "
                 f"{total.get('GPU', 0):g} GPUs in all); lower dp x pp or the resources per worker, wait for the "
                 "other jobs, or add nodes")
 
@@ -409,9 +409,10 @@ class WorkerGroup:
         self._release_groups()
 
 
-def _cpus() -> str:
-    """The cluster's CPUs, and how many are free now (other jobs hold the rest)."""
-    total, free = ray.cluster_resources().get("CPU", 0), ray.available_resources().get("CPU", 0)
+def _cpus(cluster: Optional[dict] = None) -> str:
+    """The cluster's CPUs (``cluster``: its resources, when already read), and how many are
+    free now (other jobs hold the rest)."""
+    total, free = (cluster or ray.cluster_resources()).get("CPU", 0), ray.available_resources().get("CPU", 0)
     return f"{free:g} of the cluster's {total:g} CPUs free now" if free < total else f"the cluster has {total:g} CPUs"
 
 
