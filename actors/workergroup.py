@@ -377,15 +377,8 @@ class WorkerGroup:
         whose calls have ended (cell -> worker).  The rest are stopped; the placement group stays,
         so a new worker takes the bundle of the one it replaces (on a lost node's, Ray places that
         bundle again wherever there is room)."""
-        pings = self.abort_all()
-        ray.wait(list(pings.values()), num_returns=len(pings), timeout=2.0)
-        alive = {}
-        for c, ref in pings.items():
-            try:
-                ray.get(ref, timeout=0)
-                alive[c] = self.workers[c]
-            except Exception:
-                continue
+        self.abort_all()
+        alive, _ = self.answering(self.workers, timeout=2.0)
         ends = [r[c] for r in calls for c in alive if c in r]
         ended, _ = ray.wait(ends, num_returns=len(ends), timeout=wait_s)
         ended = set(ended)

@@ -93,8 +93,9 @@ class ClusterScheduler:
         """Workers a job holds (or is starting) now (``spec``: the job's, when already read)."""
         if job["state"] == JobState.QUEUED.value:
             return 0
-        if placed(job):
-            return placed(job)
+        n = placed(job)
+        if n:
+            return n
         if job["id"] in self.allotted:
             return self.allotted[job["id"]]
         spec = spec or JobSpec.model_validate(job["spec"])   # admitted by an earlier control plane, not placed
@@ -189,8 +190,9 @@ class ClusterScheduler:
         for j, _, d in jobs:
             t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
                                                  "using": 0.0, "starting": 0.0, "running": 0, "queued": 0})
-            t["using"] += placed(j) * d.per_worker
-            t["starting"] += (d.running - placed(j)) * d.per_worker  # allotted, its workers not placed yet
+            n = placed(j)
+            t["using"] += n * d.per_worker
+            t["starting"] += (d.running - n) * d.per_worker  # allotted, its workers not placed yet
             t["queued" if j["state"] == JobState.QUEUED.value else "running"] += 1
         total_w = sum(t["weight"] for t in tenants.values()) or 1.0
         for t in tenants.values():
