@@ -198,7 +198,8 @@ class JobController:
             return shape, why
         sizes = partition.choose(p.partition, facts.layers, p.virtual_stages, facts.seconds if self.layers.profiled else None)
         return planner.model_shape(facts, p.dp, p.pp, self.spec.microbatches, partition_rule=list(sizes),
-                                   chunks=p.chunks, replicas=p.replica_counts, tp=p.tp, **model), "the spec's shape"
+                                   chunks=p.chunks, replicas=p.replica_counts, tp=p.tp, weight_group=p.weight_group,
+                                   **model), "the spec's shape"
 
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
                    joined: int = 0) -> policy.Situation:
@@ -343,7 +344,7 @@ class JobController:
                           replicas=shape.replicas, stage_costs=shape.stage_costs, tp=shape.tp,
                           schedule=spec.parallelism.schedule, microbatches=spec.microbatches, chunks=shape.chunks,
                           reshapes=self.reshapes, snapshot_s=self.keeper.snapshot_s, rerun=step + 1 <= rec.high,
-                          lr=lr_at(spec, step + 1))
+                          lr=lr_at(spec, step + 1), weight_group=spec.parallelism.weight_group)
         if eval_loss is not None:
             row["eval_loss"] = eval_loss
         if self.restarted_at is not None:  # the first step after a restart: from the loss to this commit

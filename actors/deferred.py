@@ -124,6 +124,25 @@ def weight_grads(pending: list) -> None:
             _accumulate(module.bias, g2.sum(0))
 
 
+@torch.no_grad()
+def weight_grads_grouped(whats: list) -> None:
+    """W of several microbatches (``parallelism.weight_group``): each Linear's weight gradient
+    as one product over the rows of all of them, ``grad += cat(g)^T @ cat(x)``, where W of each
+    alone reads and writes the gradient once per microbatch.  The same terms, summed in
+    another order."""
+    if len(whats) <= 1:
+        for what in whats:
+            weight_grads(what)
+        return
+    by: dict = {}  # the module's id -> (module, its inputs, its output gradients), in first-seen order
+    for what in whats:
+        for module, x, g in what:
+            _, xs, gs = by.setdefault(id(module), (module, [], []))
+            xs.append(x.reshape(-1, x.shape[-1]))
+            gs.append(g.reshape(-1, g.shape[-1]))
+    weight_grads([(m, torch.cat(xs), torch.cat(gs)) for m, xs, gs in by.values()])
+
+
 def install(part: nn.Module, pending: Pending) -> int:
     """Route the forward of every plain Linear in ``part`` through ``_Linear``; returns how many."""
     n = 0

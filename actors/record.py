@@ -96,6 +96,7 @@ class JobRecord:
         p = spec.parallelism
         info = {"dp": shape.dp, "pp": shape.pp, "partition": list(shape.sizes), "schedule": p.schedule,
                 "stages_per_worker": shape.chunks,
+                **({"weight_group": p.weight_group} if p.weight_group > 1 else {}),
                 "transport": p.transport, "microbatches": spec.microbatches,
                 "microbatches_per_replica": shape.microbatches_per_replica, "gpus_per_worker": gpus,
                 "workers": workers}
@@ -179,11 +180,11 @@ def grad_norm(stats: dict) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = False) -> float:
+def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = False, weight_group: int = 1) -> float:
     """The schedule's ideal bubble (backward = 2 x forward, split evenly into B and W); with
     ``early`` as run where every backward sends its input gradient before its weight
-    gradients (``schedules.sends_early``)."""
-    plan = schedules.build(schedule, pp, m, chunks)
+    gradients (``schedules.sends_early``); ``weight_group``: its W's grouped (``schedules.group_weights``)."""
+    plan = schedules.build(schedule, pp, m, chunks, weight_group)
     return float(schedules.simulate(schedules.sends_early(plan) if early else plan).bubble)
 
 
@@ -195,7 +196,8 @@ def sends_early(stats: dict) -> bool:
 
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
                 microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
-                chunks: int = 1, replicas: tuple = (), stage_costs: tuple = (), tp: int = 1) -> dict:
+                chunks: int = 1, replicas: tuple = (), stage_costs: tuple = (), tp: int = 1,
+                weight_group: int = 1) -> dict:
     """The metrics row of committed step ``step + 1`` from every worker's step result (keyed
     (dp rank, slot): with ``replicas`` or ``tp``, a pipeline's workers are numbered stage by stage)."""
     loss = sum(s["loss"] for s in stats.values() if s["loss"] is not None)
@@ -210,7 +212,7 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
     early = not replicas and sends_early(stats)
     ideal = (float(rp.plan(schedule, replicas, microbatches // dp, rp.relative(stage_costs)).bubble) if replicas
-             else plan_bubble(schedule, pp, microbatches // dp, chunks, early))
+             else plan_bubble(schedule, pp, microbatches // dp, chunks, early, weight_group))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,

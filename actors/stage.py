@@ -138,6 +138,7 @@ class Cell:
     slot: int = -1                    # its index among its pipeline's workers (pp_rank without replicas)
     tp: int = 1                       # workers of its stage's tensor-parallel group (actors/tensorpar.py)
     tp_rank: int = 0                  # its rank in that group: it talks to the same rank of other stages
+    weight_group: int = 1             # W's of that many microbatches computed together (split schedules)
 
     @property
     def index(self) -> int:
@@ -198,7 +199,8 @@ class Cell:
         dp, pp, r, s = cfg["dp"], cfg["pp"], cfg["dp_rank"], cfg["pp_rank"]
         v, name = cfg.get("chunks", 1), cfg["schedule"]
         m = microbatches // dp
-        plan = schedules.build(name, pp, m, v)
+        k = min(cfg.get("weight_group") or 1, m) if name in schedules.SPLIT else 1
+        plan = schedules.build(name, pp, m, v, k)
         where = schedules.placement(name)
         V = pp * v
         mine = tuple(schedules.chunks_of(s, pp, v, where))
@@ -221,7 +223,8 @@ class Cell:
         cell = cls(cfg["gen"], r, s, dp, pp, mine, tuple(tuple(bounds[vs]) for vs in mine), r * m, m,
                    actions, boundary, V, where, name in schedules.SPLIT,
                    routes=portals.routes(skips, bounds), skips=len(skips), replicas=reps, rep=rep,
-                   slot=slot if reps or tp > 1 else -1, tp=tp, tp_rank=slot % tp if tp > 1 else 0)
+                   slot=slot if reps or tp > 1 else -1, tp=tp, tp_rank=slot % tp if tp > 1 else 0,
+                   weight_group=k)
         for a in cell.actions:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):
@@ -333,7 +336,9 @@ class StepRunner:
         p = _Progress()
         self.norms.begin()
         for block in self.blocks:
-            if len(block) > 1:  # a chunk's forwards (or backwards) together: global BatchNorm
+            if len(block) > 1 and block[0].kind == "W":  # a group's weight gradients together
+                spans = self._weights_together(block, p)
+            elif len(block) > 1:  # a chunk's forwards (or backwards) together: global BatchNorm
                 self.norms.g = c.mb0
                 spans = (self._forwards_together(block, step, xs, ys, p) if block[0].kind == "F"
                          else self._backwards_together(block, step, p))
@@ -372,11 +377,15 @@ class StepRunner:
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of
-        one chunk's forwards (its backwards) together (GPipe: all of them)."""
+        one chunk's forwards (its backwards) together (GPipe: all of them); with
+        ``parallelism.weight_group`` k > 1 each run of one chunk's W's, k at most, together
+        (the plan stands them together: schedules.group_weights)."""
         blocks: list = []
+        k = self.cell.weight_group
         for a in self.cell.actions:
             prev = blocks[-1][-1] if blocks else None
-            if self.together and prev is not None and (prev.kind, prev.stage) == (a.kind, a.stage) and a.kind in "FB":
+            same = prev is not None and (prev.kind, prev.stage) == (a.kind, a.stage)
+            if same and ((self.together and a.kind in "FB") or (a.kind == "W" and len(blocks[-1]) < k)):
                 blocks[-1].append(a)
             else:
                 blocks.append([a])
@@ -659,8 +668,10 @@ class StepRunner:
         needs_input = vs > 0 and inp.requires_grad
         wants = any(t.requires_grad for t in outs)
         if c.split:
-            # the first chunk's input needs no gradient: its whole backward is its W (as torch's schedules do)
-            if needs_input and wants and vs in self.deferred:
+            # the first chunk's input needs no gradient: its whole backward is its W (as torch's
+            # schedules do); but with W's grouped, its B is the backward through the chunk and W
+            # only its Linear weight products, which a group computes together
+            if wants and vs in self.deferred and (needs_input or c.weight_group > 1):
                 p.weights[(vs, a.mb)] = ("deferred", self._input_backward(outs, grads))
             elif needs_input and wants and self.params[vs]:
                 _, groups = stage_backward_input(outs, grads, ins, iter(self.params[vs]))
@@ -702,6 +713,36 @@ class StepRunner:
             self._send_grads(step, g, vs, inp, received, p)
         return t0, t1
 
+    def _weights_together(self, block: list, p: _Progress) -> list:
+        """W of a group (``parallelism.weight_group``): the Linear weight products of the
+        group's microbatches as one product per layer over their rows together
+        (deferred.weight_grads_grouped); whatever else a W holds runs as it would alone.  On
+        the timeline each W gets an equal share of the group's time."""
+        if self.reduce is not None and self.final in block:
+            with talking_to_peers("arming the gradient sum"):
+                self.reduce.arm()
+        t0 = time.time()
+        together = []
+        for a in block:
+            how, what = p.weights.pop((a.stage, a.mb))
+            if how == "deferred":
+                together.append(what)
+            else:
+                self._weight_alone(how, what, a.stage)
+            p.live -= 1
+        deferred.weight_grads_grouped(together)
+        t1 = time.time()
+        n = len(block)
+        return [(t0 + (t1 - t0) * i / n, t0 + (t1 - t0) * (i + 1) / n) for i in range(n)]
+
+    def _weight_alone(self, how: str, what, vs: int) -> None:
+        if how == "deferred":
+            deferred.weight_grads(what)
+        elif how == "groups":
+            stage_backward_weight(iter(self.params[vs]), what)
+        elif how == "whole" and any(t.requires_grad for t in what[0]):
+            torch.autograd.backward(what[0], what[1])
+
     def _input_backward(self, outs: list, grads: list) -> list:
         """A backward in which the chunk's plain Linears leave their weight products out
         (actors/deferred.py); returns what ``deferred.weight_grads`` needs for them."""
@@ -719,12 +760,7 @@ class StepRunner:
             with talking_to_peers("arming the gradient sum"):
                 self.reduce.arm()
         t0 = time.time()
-        if how == "deferred":
-            deferred.weight_grads(what)
-        elif how == "groups":
-            stage_backward_weight(iter(self.params[a.stage]), what)
-        elif how == "whole" and any(t.requires_grad for t in what[0]):
-            torch.autograd.backward(what[0], what[1])
+        self._weight_alone(how, what, a.stage)
         t1 = time.time()
         p.live -= 1
         return t0, t1

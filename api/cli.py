@@ -22,14 +22,18 @@ def _schedule(args) -> int:
     if args.replicas:
         return _replicated_schedule(args)
     try:
-        plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks)
+        if args.weight_group < 1:
+            raise ValueError(f"--weight-group must be at least 1; got {args.weight_group}")
+        plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks, args.weight_group)
         weight = None if args.weight_cost is None else cost(args.weight_cost, "--weight-cost")
         if args.sends_early:
             if plan.split:
                 raise ValueError(f"{args.schedule} splits its backward into B and W already; --sends-early "
                                  "is for gpipe, 1f1b and interleaved_1f1b")
             plan = schedules.sends_early(plan)
-        title = f"{plan.name} (input gradients sent early)" if args.sends_early else None
+        title = (f"{plan.name} (input gradients sent early)" if args.sends_early else
+                 f"{plan.name} (W's in groups of {min(args.weight_group, args.microbatches)})" if args.weight_group > 1
+                 else None)
         print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight, title))
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
@@ -485,6 +489,9 @@ def _local_commands(sub) -> None:
     sch.add_argument("--weight-cost", default=None,
                      help="weight-gradient time W in units of forward time (default: half of --backward-cost "
                           "for zb_h1 and zbv); 1f1b, gpipe, interleaved_1f1b run B + W as one backward")
+    sch.add_argument("--weight-group", type=int, default=1, metavar="K",
+                     help="zb_h1, zbv: the W's of K microbatches together, where the group's last W stood "
+                          "(parallelism.weight_group; default 1)")
     sch.add_argument("--sends-early", action="store_true",
                      help="gpipe, 1f1b, interleaved_1f1b as the workers run them when the layers are plain "
                           "Linears: each B sends the input gradient, then its W computes the weight gradients")

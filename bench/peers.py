@@ -231,6 +231,7 @@ class RelayContestant(Contestant):
         self.schedule = spec.parallelism.schedule if self.pp > 1 else None
         self.chunks = getattr(spec.parallelism, "stages_per_worker", 1) or 1
         self.transport = spec.parallelism.transport
+        self.weight_group = getattr(spec.parallelism, "weight_group", 1) or 1
         self.engine = engine
         self.job = Relaytrain(spec, steps, engine)
 
@@ -303,6 +304,12 @@ def contestants(m: int, mbs: int, steps: int, raytrain, args) -> tuple[list[Cont
                     skipped.append({"contestant": name, "reason": why})
                 else:
                     out.append(RelayContestant(name, "pipeline", spec, steps))
+                k = m if args.weight_group == "all" else int(args.weight_group or 1)
+                if sched in ("zb_h1", "zbv") and k > 1:  # the same schedule with its W's grouped
+                    spec, why = relay_spec(m, mbs, pp=p, schedule=sched, transport=transport, weight_group=k)
+                    if spec is not None:
+                        out.append(RelayContestant(f"relaytrain {RELAY_LABELS[sched]} W x{min(k, m)} {transport}",
+                                                   "pipeline", spec, steps))
     if "dp" in args.which:
         if mbs != peers_spec.MBS:
             pass  # Ray Train's replicas build peers_spec's default microbatch: the dp pair runs at that size only
@@ -439,7 +446,8 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
         ts = sorted(times[c.name])
         q1, med, q3 = _quartiles(ts)
         row = {"contestant": c.name, "system": c.system, "schedule": c.schedule, "transport": c.transport,
-               "engine": c.engine, "group": c.group, "peer": c.peer, "M": m, "mbs": mbs, "B": m * mbs, "pp": c.pp,
+               "engine": c.engine, "group": c.group, "weight_group": getattr(c, "weight_group", 1),
+               "peer": c.peer, "M": m, "mbs": mbs, "B": m * mbs, "pp": c.pp,
                "chunks": c.chunks, "step_s": med, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1,
                "samples_per_s": m * mbs / med, "timed_steps": len(ts),
                "bubble": statistics.median(bubbles[c.name]) if bubbles[c.name] else None,
@@ -513,7 +521,8 @@ def summarize(rows: list[dict], p: int, m: int) -> dict:
         out["torch_best"] = pick(min(torch_rows, key=lambda r: r["step_s"]))
     if relay and torch_rows:
         out["ratio"] = out["torch_best"]["step_s"] / out["relay_best"]["step_s"]
-    out["bubbles"] = {r["schedule"]: r["bubble"] for r in relay if r["transport"] == "collective"}
+    out["bubbles"] = {r["schedule"]: r["bubble"] for r in relay
+                      if r["transport"] == "collective" and r.get("weight_group", 1) == 1}
     b = out["bubbles"]
     if b.get("zb_h1") is not None and b.get("1f1b"):
         out["zb_h1_over_1f1b"] = b["zb_h1"] / b["1f1b"]
@@ -735,6 +744,9 @@ def main() -> None:
                     "the docstring)")
     ap.add_argument("--schedules", nargs="+", default=RELAY_DEFAULT, choices=list(RELAY_LABELS),
                     help=f"relaytrain's schedules (default {' '.join(RELAY_DEFAULT)})")
+    ap.add_argument("--weight-group", default="all", metavar="K",
+                    help="also run relaytrain's ZB-H1 and ZB-V with parallelism.weight_group K (their W's in "
+                         "groups of K microbatches); 'all' (the default): every microbatch of the step; 1: not")
     ap.add_argument("--torch-schedules", nargs="+", default=TORCH_DEFAULT, choices=list(TORCH_LABELS),
                     help=f"torch.distributed.pipelining's (default {' '.join(TORCH_DEFAULT)}; zb_h1 is "
                     "ScheduleInterleavedZeroBubble with one stage per process, interleaved_zb with two)")

@@ -80,15 +80,18 @@ def describe(pp: int, v: int) -> str:
 
 def spec(m: int, *, mbs: int = MBS, dp: int = 1, pp: int = 1, schedule: str = "1f1b",
          transport: str = "collective", steps: int = 1, name: str = "peers",
-         partition: str | None = None) -> JobSpec:
+         partition: str | None = None, weight_group: int = 1) -> JobSpec:
     """The job for M microbatches of ``mbs`` samples per step (global batch M x mbs); with
     pp > 1 the chunks of :func:`chunk_sizes` (one list entry per virtual stage), or
-    ``partition`` ("balanced", "uniform") when given."""
+    ``partition`` ("balanced", "uniform") when given; ``weight_group`` > 1: the split
+    schedules' W's in groups of that many microbatches (parallelism.weight_group)."""
     v = CHUNKS.get(schedule, 1)
     par = {"dp": dp, "pp": pp, "schedule": schedule, "transport": transport,
            "partition": (partition or chunk_sizes(pp * v)) if pp > 1 else "uniform"}
     if v != 1:  # (left out otherwise: an engine without parallelism.stages_per_worker still reads the spec)
         par["stages_per_worker"] = v
+    if weight_group != 1:  # (likewise)
+        par["weight_group"] = weight_group
     return parse_spec({
         "name": name,
         "model": MODEL,

@@ -82,7 +82,7 @@ def plan(spec: JobSpec, facts: planner.LayerFacts, slots: int,
                         replicas=p.replicas, previous=previous,
                         schedule=p.schedule, chunks=p.chunks, transport=p.transport, optimizer=spec.optimizer.name,
                         partition_rule=p.partition, memory_bytes=mem * 2**20 if mem else None,
-                        current=current, min_gain=e.min_gain, tp=p.tp)
+                        current=current, min_gain=e.min_gain, tp=p.tp, weight_group=p.weight_group)
 
 
 def decide(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:

@@ -232,12 +232,14 @@ def hop_seconds(transport: str, nbytes: int) -> float:
 def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, schedule: str = "1f1b",
                 transport: str = "collective", optimizer: str = "adam",
                 partition_rule: Union[str, list[int]] = "balanced", chunks: int = 1,
-                replicas: Sequence[int] = (), tp: int = 1) -> Shape:
+                replicas: Sequence[int] = (), tp: int = 1, weight_group: int = 1) -> Shape:
     """Modelled step time and memory of one shape (assumed valid: M % dp == 0, pp x chunks <=
     layers); ``chunks``: model chunks per worker, as the schedule requires (see the module's
     docstring); ``replicas``: workers per stage (replicated stages, service/replicas.py); ``tp``:
     each stage's layers split over tp workers (modelled as 1/tp of the compute and of the
-    parameters: the planner does not know which layers have a plan)."""
+    parameters: the planner does not know which layers have a plan); ``weight_group``: the
+    split schedules' W's grouped (``schedules.group_weights``: the plan's order, not its
+    faster products, is modelled)."""
     _check_chunks(schedule, chunks)
     replicas = tuple(replicas) if any(r > 1 for r in replicas) else ()
     m = microbatches // dp
@@ -251,7 +253,7 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     where = schedules.placement(schedule)
     bounds = partition.bounds(sizes)
     early = not replicas and tp == 1 and facts.early(bounds, dp, chunks)
-    units, peaks = _plan_model(schedule, pp, m, chunks, early)
+    units, peaks = _plan_model(schedule, pp, m, chunks, early, weight_group if schedule in schedules.SPLIT else 1)
     if facts.gathers and schedule == "gpipe":
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
@@ -323,7 +325,8 @@ def _check_chunks(schedule: str, chunks: int) -> None:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False) -> tuple[float, tuple[Fraction, ...]]:
+def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False,
+                weight_group: int = 1) -> tuple[float, tuple[Fraction, ...]]:
     """``(units, peaks)`` of the plan of ``schedule`` for ``pp`` workers, ``m`` microbatches and
     ``chunks`` chunks per worker: its makespan in units of one microbatch's forward+backward on a
     worker (forward 1, backward 2), and per worker its peak held activations in units of one
@@ -335,7 +338,7 @@ def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False
         return float(m + pp - 1), tuple(Fraction(m) for _ in range(pp))
     if schedule == "1f1b" and chunks == 1 and not early:
         return float(m + pp - 1), tuple(Fraction(min(m, pp - i)) for i in range(pp))
-    plan = schedules.build(schedule, pp, m, chunks)
+    plan = schedules.build(schedule, pp, m, chunks, weight_group)
     units = float(Fraction(schedules.simulate(schedules.sends_early(plan) if early else plan).makespan) / 3)
     return units, tuple(Fraction(f).limit_denominator(10**6) for f in schedules.peak_activation_fraction(plan))
 
@@ -350,7 +353,7 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
          partition_rule: Union[str, list[int]] = "balanced", memory_bytes: Optional[float] = None,
          current: Optional[tuple] = None, min_gain: float = 0.10, chunks: int = 1,
          replicas: Union[str, Sequence[int], None] = None, previous: Optional[Shape] = None,
-         tp: int = 1) -> Decision:
+         tp: int = 1, weight_group: int = 1) -> Decision:
     """Choose the shape for ``slots`` alive worker slots (``chunks``: model chunks per worker,
     ``parallelism.stages_per_worker``; ``tp``: each stage's tensor-parallel group, kept by every
     shape: a shape has dp x pp x tp workers, and ``slots`` count whole TP groups).
@@ -376,7 +379,7 @@ def plan(slots: int, facts: LayerFacts, global_batch: int, microbatch: int, *,
         return Decision(None, f"waiting for workers: {slots} slot{'s' if slots != 1 else ''} alive in whole "
                               f"tensor-parallel groups, the job needs a group of parallelism.tp={tp} workers on one "
                               "node", slots)
-    model = dict(schedule=schedule, transport=transport, optimizer=optimizer)
+    model = dict(schedule=schedule, transport=transport, optimizer=optimizer, weight_group=weight_group)
     shapes, too_big = _candidates(facts, M, min_workers, cap, memory_bytes, partition_rule=partition_rule,
                                   chunks=chunks, tp=tp, **model)
     if replicas is not None:

@@ -275,12 +275,54 @@ def zbv(stages: int, microbatches: int) -> Schedule:
     return Schedule("zbv", p, m, tuple(order), 2)
 
 
-def build(name: str, stages: int, microbatches: int, chunks: int = 1) -> Schedule:
+def group_weights(schedule: Schedule, group: int) -> Schedule:
+    """``schedule`` with its W actions in groups of ``group`` microbatches: on each worker, each
+    chunk's W's (in their order) are taken ``group`` at a time, and every W of a group moves
+    to where the group's last W was, so the group's W's stand together (the last group may be
+    shorter).  The workers then compute a group's weight gradients as one matrix product per
+    Linear layer over the group's rows (actors/stage.py): fewer, larger products, which read
+    and write each weight's gradient once per group instead of once per microbatch.  The W's
+    only move later, so every dependency still holds; what each moved W needs (the Linear
+    inputs and output gradients of its microbatch) is held that much longer, which
+    :func:`peak_in_flight` counts.  ``group`` 1 (or a schedule without W's) returns it unchanged."""
+    if group < 1:
+        raise ValueError(f"a weight-gradient group holds at least 1 microbatch; got {group}")
+    if group == 1 or not any(a.kind == "W" for acts in schedule.order for a in acts):
+        return schedule
+    order = []
+    for acts in schedule.order:
+        ws: dict[int, list[int]] = {}  # chunk -> positions of its W's, in order
+        for i, a in enumerate(acts):
+            if a.kind == "W":
+                ws.setdefault(a.stage, []).append(i)
+        at: dict[int, list[Action]] = {}  # position -> the W's that run there
+        for pos in ws.values():
+            for k in range(0, len(pos), group):
+                members = pos[k:k + group]
+                at[members[-1]] = [acts[i] for i in members]
+        row = []
+        for i, a in enumerate(acts):
+            if a.kind != "W":
+                row.append(a)
+            elif i in at:
+                row += at[i]
+        order.append(tuple(row))
+    return Schedule(schedule.name, schedule.stages, schedule.microbatches, tuple(order), schedule.chunks)
+
+
+def build(name: str, stages: int, microbatches: int, chunks: int = 1, weight_group: int = 1) -> Schedule:
     """The plan of schedule ``name`` for ``stages`` workers, ``microbatches`` microbatches and
     ``chunks`` model chunks per worker (1 for gpipe, 1f1b and zb_h1; any v >= 1 for
-    interleaved_1f1b; 2 for zbv)."""
+    interleaved_1f1b; 2 for zbv); ``weight_group`` > 1 (split schedules only): the W's in
+    groups of that many microbatches (:func:`group_weights`; more than ``microbatches``: all
+    of them)."""
     if name not in SCHEDULES:
         raise ValueError(f"unknown schedule {name!r}: use one of {', '.join(SCHEDULES)}")
+    if weight_group != 1:
+        if name not in SPLIT:
+            raise ValueError(f"weight_group {weight_group} needs a schedule with W actions (zb_h1 or zbv), "
+                             f"not {name}: its weight gradients are computed in each backward; set weight_group 1")
+        return group_weights(build(name, stages, microbatches, chunks), min(weight_group, microbatches))
     if name == "zbv":
         if chunks != 2:
             raise ValueError(f"zbv needs stages_per_worker 2 (its V placement puts 2 chunks on each worker); "

@@ -177,6 +177,13 @@ class ParallelismSpec(_Strict):
     stages_per_worker: Optional[StrictInt] = Field(
         None, ge=1, description="model chunks (virtual stages) on each worker: interleaved_1f1b and zbv place several "
                                 "(default 2; zbv needs exactly 2), the other schedules one")
+    weight_group: StrictInt = Field(
+        1, ge=1, description="zb_h1 and zbv: the weight gradients (W) of this many microbatches computed together, "
+                             "one matrix product per Linear layer over all their rows: fewer, larger products that "
+                             "read and write each gradient once per group, faster where memory bandwidth is the "
+                             "limit; the plan then runs each group's W's where its last one stood (a larger plan "
+                             "bubble) and holds the group's Linear inputs and output gradients until then; more "
+                             "than a step's microbatches: all of them")
     transport: Literal["object_store", "collective"] = Field(
         "collective", description="how activations move between stages: 'collective' (send/recv over gloo, NCCL on "
                                   "GPUs; the faster; every microbatch's activation must keep the shape of the first) "
@@ -223,6 +230,10 @@ class ParallelismSpec(_Strict):
         if v is not None and v > 1 and self.schedule not in ("interleaved_1f1b", "zbv"):
             raise ValueError(f"parallelism.stages_per_worker {v} needs a schedule that places several model chunks on "
                              f"each worker: interleaved_1f1b or zbv, not {self.schedule}; or set stages_per_worker 1")
+        if self.weight_group > 1 and self.schedule not in ("zb_h1", "zbv"):
+            raise ValueError(f"parallelism.weight_group {self.weight_group} groups the W actions (weight gradients) of "
+                             f"a split schedule, but {self.schedule} has none (its backward computes the weight "
+                             f"gradients itself): set schedule zb_h1 or zbv, or weight_group 1")
         if self.schedule == "zbv" and self.chunks != 2:
             raise ValueError(f"parallelism.schedule zbv places exactly 2 model chunks on each worker (a V), but "
                              f"stages_per_worker is {v}: set it to 2 or leave it out")

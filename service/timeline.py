@@ -50,6 +50,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
             **({"replicas": list(shape["replicas"]), "stage_costs": list(shape.get("stage_costs") or [])}
                if shape.get("replicas") else {}),
             **({"tp": int(shape["tp"])} if (shape.get("tp") or 1) > 1 else {}),
+            **({"weight_group": weight_group_of(shape)} if weight_group_of(shape) > 1 else {}),
             **({"sends_early": True} if shape.get("sends_early") else {}),  # see schedules.sends_early
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
@@ -72,9 +73,14 @@ def chunks_of(entry: dict) -> int:
     return int(v) if v else 2 if entry.get("schedule") in schedules.CHUNKED else 1
 
 
+def weight_group_of(entry: dict) -> int:
+    """The W's grouped per microbatch count of a shape dict or an entry (``parallelism.weight_group``; 1 if absent)."""
+    return int(entry.get("weight_group") or 1)
+
+
 def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank: int, pp_rank: int,
                   chunks: int = 1, replicas: Sequence[int] = (), stage_costs: Sequence[float] = (),
-                  tp: int = 1) -> list[str]:
+                  tp: int = 1, weight_group: int = 1) -> list[str]:
     """The actions worker (dp_rank, pp_rank) runs, in the plan's order (virtual stage ids: a
     chunked schedule's worker runs several), with global microbatch ids (replica r runs
     microbatches ``[r*m, (r+1)*m)``).  With ``replicas`` (workers per stage), ``pp_rank`` is
@@ -84,7 +90,7 @@ def planned_order(schedule: str, pp: int, microbatches_per_replica: int, dp_rank
     if replicas:
         order = rp.plan(schedule, replicas, m, rp.relative(stage_costs)).order[pp_rank]
     else:
-        order = schedules.build(schedule, pp, m, chunks).order[pp_rank // tp]
+        order = schedules.build(schedule, pp, m, chunks, weight_group).order[pp_rank // tp]
     return [f"{a.stage}{a.kind}{a.mb + dp_rank * m}" for a in order]
 
 
@@ -115,7 +121,8 @@ def check(entry: dict) -> list[str]:
         acts = entry["workers"][w]
         order = [a for a, _, _ in acts if schedules.Action.parse(a).kind != "E"]  # the evaluation's are not planned
         plan = planned_order(entry["schedule"], pp, entry["microbatches_per_replica"], r, s, chunks_of(entry),
-                             entry.get("replicas") or (), entry.get("stage_costs") or (), entry.get("tp") or 1)
+                             entry.get("replicas") or (), entry.get("stage_costs") or (), entry.get("tp") or 1,
+                             weight_group_of(entry))
         if order != plan:
             problems.append(f"{w} ran {' '.join(order)}; the plan is {' '.join(plan)}")
         for a, t0, t1 in acts:
@@ -128,11 +135,11 @@ def check(entry: dict) -> list[str]:
 
 
 def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2,
-                     chunks: int = 1, early: bool = False) -> float:
+                     chunks: int = 1, early: bool = False, weight_group: int = 1) -> float:
     """The plan's ideal utilization (busy area / total area), backward = 2 x forward as in the
     ``bubble_plan`` metric and ``relaytrain schedule`` (split schedules: B and W each half of it);
     ``early``: as run with each input gradient sent before the weight gradients (``schedules.sends_early``)."""
-    plan = schedules.build(schedule, pp, microbatches_per_replica, chunks)
+    plan = schedules.build(schedule, pp, microbatches_per_replica, chunks, weight_group)
     return float(schedules.simulate(schedules.sends_early(plan) if early else plan, backward_cost).utilization)
 
 
@@ -170,12 +177,14 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
                                        rp.relative(entry.get("stage_costs"))).bubble)
         else:
             plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
-                                    chunks=chunks_of(entry), early=bool(entry.get("sends_early")))
+                                    chunks=chunks_of(entry), early=bool(entry.get("sends_early")),
+                                    weight_group=weight_group_of(entry))
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
             "portals": _portals(entry, lanes),
             "dp": entry["dp"], "pp": entry["pp"], "schedule": entry["schedule"], "chunks": chunks_of(entry),
+            **({"weight_group": weight_group_of(entry)} if weight_group_of(entry) > 1 else {}),
             **({"replicas": entry["replicas"]} if entry.get("replicas") else {}),
             **({"tp": entry["tp"]} if entry.get("tp") else {}),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),

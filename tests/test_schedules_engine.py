@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from actors.runner import run_job
-from service import checkpoint, schedules
+from service import checkpoint, schedules, timeline
 from service.spec import SpecError, parse_spec
 from tests import reference
 from tests.test_engine import assert_same_params, read_jsonl
@@ -67,6 +67,46 @@ def test_every_schedule_equals_plain_pytorch(ray_session, tmp_path, schedule, dp
     assert any("W" in a for lane in tl.values() for a, _, _ in lane) == (schedule in schedules.SPLIT)
 
 
+@pytest.mark.parametrize("schedule, dp, pp, transport, group", [
+    ("zb_h1", 1, 2, "collective", 3),     # groups of 3, 3 and 2 of the 8 microbatches
+    ("zbv", 2, 2, "object_store", 8),     # more than a replica's 4 microbatches: all of them at once
+])
+def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, schedule, dp, pp, transport, group):
+    """parallelism.weight_group: each group's W's run together where the plan puts them (one
+    product per Linear over the group's rows); the numbers are still one process's, each
+    worker holds the grouped plan's activations, and the timeline shows the grouped order."""
+    spec = spec_of(dp, pp, schedule, transport, parallelism={"weight_group": group})
+    final = run_job(spec=spec, out=str(tmp_path), progress=False)
+    want, losses = reference.train(spec)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    m = spec.microbatches // dp
+    plan = schedules.build(schedule, pp, m, spec.parallelism.chunks, group)
+    ungrouped = schedules.build(schedule, pp, m, spec.parallelism.chunks)
+    assert plan.order != ungrouped.order
+    assert all(r["peak_live"] == schedules.peak_in_flight(plan) for r in rows)
+    assert rows[-1]["bubble_plan"] == pytest.approx(float(schedules.simulate(plan).bubble))
+    shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
+    assert shape["weight_group"] == group
+    tl = final["timelines"][-1]
+    for (r, s) in [(r, s) for r in range(dp) for s in range(pp)]:
+        got = [a for a, _, _ in tl["workers"][f"w{r}.{s}"]]
+        assert got == [f"{a.stage}{a.kind}{r * m + a.mb}" for a in plan.order[s]]
+        # a group ran as one: its W boxes share its time equally, each starting where the one before ended
+        boxes = tl["workers"][f"w{r}.{s}"]
+        runs = [boxes[i:i + 2] for i in range(len(boxes) - 1)
+                if boxes[i][0][1] == boxes[i + 1][0][1] == "W" and boxes[i][0][0] == boxes[i + 1][0][0]]
+        assert runs
+        for (_, _, end), (_, start, _) in runs:
+            assert start == pytest.approx(end, abs=2e-6)
+    # the timeline page's entry (as the service stores it) knows the grouping: its check and view agree
+    entry = timeline.record(tl["step"], shape, tl["workers"])
+    assert entry["weight_group"] == group and timeline.check(entry) == []
+    view = timeline.view(entry)
+    assert view["weight_group"] == group and 0 < view["utilization_plan"] < 1
+
+
 def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):
     """ZB-V on 1x2 (chunks 0 and 3 on worker 0) writes a checkpoint; interleaved 1F1B on 2x2 with
     chunks on other workers resumes from it and ends equal to one uninterrupted loop."""
@@ -105,6 +145,8 @@ def test_the_next_step_is_queued_before_the_step_ends(ray_session, tmp_path):
     ({"schedule": "zbv", "stages_per_worker": 3}, "zbv places exactly 2 model chunks"),
     ({"schedule": "1f1b", "stages_per_worker": 2}, "needs a schedule that places several model chunks"),
     ({"schedule": "interleaved_1f1b", "stages_per_worker": 2, "partition": [3, 3, 3]}, "one layer count per model chunk"),
+    ({"schedule": "1f1b", "weight_group": 4}, "weight_group 4 groups the W actions .* set schedule zb_h1 or zbv"),
+    ({"schedule": "zb_h1", "weight_group": 0}, "weight_group"),
 ])
 def test_bad_schedule_fields_say_what_to_change(over, says):
     with pytest.raises(SpecError, match=says):
