@@ -449,3 +449,70 @@ def test_cli_schedule_sends_early(capsys):
     assert main(["schedule", "--schedule", "zb_h1", "--stages", "2", "--microbatches", "8", "--sends-early"]) == 2
     assert capsys.readouterr().err.strip() == ("relaytrain schedule: zb_h1 splits its backward into B and W already; "
                                                "--sends-early is for gpipe, 1f1b and interleaved_1f1b")
+
+
+# --- W's in groups (parallelism.weight_group) ----------------------------------------------
+
+def test_weight_groups_string_in_string_out():
+    """Each chunk's W's, k at a time, stand where the group's last W stood (ZB-H1, p = 2, M = 4, k = 2)."""
+    assert str(S.build("zb_h1", 2, 4)) == ("0F0 0F1 0B0 0W0 0F2 0B1 0W1 0F3 0B2 0W2 0B3 0W3\n"
+                                           "1F0 1B0 1F1 1B1 1W0 1F2 1B2 1W1 1F3 1B3 1W2 1W3")
+    assert str(S.build("zb_h1", 2, 4, 1, 2)) == ("0F0 0F1 0B0 0F2 0B1 0W0 0W1 0F3 0B2 0B3 0W2 0W3\n"
+                                                 "1F0 1B0 1F1 1B1 1F2 1B2 1W0 1W1 1F3 1B3 1W2 1W3")
+    # ZB-V, all of a replica's 4 microbatches in one group: each chunk's W's together, after its last B
+    zbv = S.build("zbv", 2, 4, 2, 4)
+    assert str(zbv).splitlines()[0] == ("0F0 0F1 0F2 3F0 3B0 3F1 3B1 0F3 0B0 3F2 3B2 0B1 3F3 3B3 "
+                                        "3W0 3W1 3W2 3W3 0B2 0B3 0W0 0W1 0W2 0W3")
+    assert S.build("zb_h1", 2, 4, 1, 1) == S.build("zb_h1", 2, 4)
+    assert S.build("zb_h1", 2, 4, 1, 9) == S.build("zb_h1", 2, 4, 1, 4)  # more than M: all of them
+
+
+@pytest.mark.parametrize("name, v", [("zb_h1", 1), ("zbv", 2)])
+@pytest.mark.parametrize("p, m", [(2, 4), (2, 8), (4, 8), (4, 16)])
+@pytest.mark.parametrize("k", [2, 3, 8])
+def test_weight_groups_keep_every_action_and_dependency(name, v, p, m, k):
+    plain, grouped = S.build(name, p, m, v), S.build(name, p, m, v, k)
+    for before, after in zip(plain.order, grouped.order):
+        assert sorted(before) == sorted(after)                                   # the same actions
+        assert [a for a in before if a.kind != "W"] == [a for a in after if a.kind != "W"]  # F, B untouched
+        for c in {a.stage for a in after}:                                       # each chunk's W's, k at a time
+            ws = [a for a in after if a.kind == "W" and a.stage == c]
+            assert ws == [a for a in before if a.kind == "W" and a.stage == c]  # in their order
+            pos = [i for i, a in enumerate(after) if a in ws]
+            for g in range(0, len(ws), k):
+                run = pos[g:g + k]
+                assert run == list(range(run[0], run[0] + len(run)))             # standing together
+                # where the group's last W stood: after as many F's and B's
+                last = ws[min(g + k, len(ws)) - 1]
+                fb = lambda order: sum(a.kind != "W" for a in order)  # noqa: E731
+                assert fb(after[:pos[g]]) == fb(before[:before.index(last)])
+    S.simulate(grouped, 1, 1)  # every dependency still holds (it raises otherwise)
+    assert all(g >= q for g, q in zip(S.peak_in_flight(grouped), S.peak_in_flight(plain)))
+
+
+def test_weight_groups_at_p2_m8():
+    """ZB-H1's W's grouped lose its plan's edge over relaytrain's 1F1B (both 1/13 idle at
+    F = B = W), and hold the group's microbatches until its W's; ZB-V keeps its 1/49 with all
+    of its W's grouped."""
+    assert S.simulate(S.build("zb_h1", 2, 8), 1, 1).bubble == Fraction(1, 25)
+    for k in (2, 4, 8):
+        assert S.simulate(S.build("zb_h1", 2, 8, 1, k), 1, 1).bubble == Fraction(1, 13)
+    assert S.peak_in_flight(S.build("zb_h1", 2, 8, 1, 4)) == [5, 5]
+    assert S.peak_in_flight(S.build("zb_h1", 2, 8, 1, 8)) == [8, 8]
+    for k in (1, 4, 8):
+        assert S.simulate(S.build("zbv", 2, 8, 2, k), 1, 1).bubble == Fraction(1, 49)
+
+
+def test_weight_groups_bad_input(capsys):
+    with pytest.raises(ValueError, match="weight_group 2 needs a schedule with W actions .* not 1f1b"):
+        S.build("1f1b", 2, 8, 1, 2)
+    with pytest.raises(ValueError, match="at least 1 microbatch; got 0"):
+        S.group_weights(S.build("zb_h1", 2, 8), 0)
+    assert main(["schedule", "--schedule", "zb_h1", "--stages", "2", "--microbatches", "4", "--weight-group", "2"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[1].split() == "stage 0 0F0 0F1 0B0 0F2 0B1 0W0 0W1 0F3 0B2 0B3 0W2 0W3".split()
+    assert out[-1].startswith("zb_h1 (W's in groups of 2): stages=2 microbatches=4")
+    assert main(["schedule", "--schedule", "1f1b", "--stages", "2", "--microbatches", "4", "--weight-group", "2"]) == 2
+    assert "needs a schedule with W actions (zb_h1 or zbv), not 1f1b" in capsys.readouterr().err
+    assert main(["schedule", "--schedule", "zb_h1", "--stages", "2", "--microbatches", "4", "--weight-group", "0"]) == 2
+    assert "--weight-group must be at least 1; got 0" in capsys.readouterr().err
