@@ -37,6 +37,17 @@ def spec_of(dp, pp, schedule, transport, *, steps=STEPS, **over):
     return parse_spec(d)
 
 
+def run_like_one_process(spec, tmp_path) -> tuple[dict, list[dict]]:
+    """Run ``spec`` with ``relaytrain run``'s engine; its parameters and losses must be the
+    plain PyTorch loop's.  Returns the run's report and its metrics rows."""
+    final = run_job(spec=spec, out=str(tmp_path), progress=False)
+    want, losses = reference.train(spec)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    return final, rows
+
+
 # every schedule at every shape, each schedule on both transports and each shape on both (the
 # transports' own differences are covered shape by shape in tests/test_engine.py)
 CASES = [(s, dp, pp, ("collective", "object_store")[(i + j) % 2])
@@ -46,11 +57,7 @@ CASES = [(s, dp, pp, ("collective", "object_store")[(i + j) % 2])
 @pytest.mark.parametrize("schedule, dp, pp, transport", CASES)
 def test_every_schedule_equals_plain_pytorch(ray_session, tmp_path, schedule, dp, pp, transport):
     spec = spec_of(dp, pp, schedule, transport)
-    final = run_job(spec=spec, out=str(tmp_path), progress=False)
-    want, losses = reference.train(spec)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    final, rows = run_like_one_process(spec, tmp_path)
     # the activations each worker held at once, counted as its actions ran: the plan's peak
     v = spec.parallelism.chunks
     plan = schedules.build(schedule, pp, spec.microbatches // dp, v)
@@ -76,11 +83,7 @@ def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, s
     product per Linear over the group's rows); the numbers are still one process's, each
     worker holds the grouped plan's activations, and the timeline shows the grouped order."""
     spec = spec_of(dp, pp, schedule, transport, parallelism={"weight_group": group})
-    final = run_job(spec=spec, out=str(tmp_path), progress=False)
-    want, losses = reference.train(spec)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want)
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
-    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    final, rows = run_like_one_process(spec, tmp_path)
     m = spec.microbatches // dp
     plan = schedules.build(schedule, pp, m, spec.parallelism.chunks, group)
     ungrouped = schedules.build(schedule, pp, m, spec.parallelism.chunks)
