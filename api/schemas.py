@@ -136,4 +136,7 @@ class TimelineOut(BaseModel):
     sends_early: bool = Field(False, description="every backward sent its input gradient before computing its "
                                                  "weight gradients (chunks of plain Linear layers): the plan is the "
                                                  "schedule with each B followed by its W")
+    weight_group: int = Field(1, description="parallelism.weight_group: the W's of that many microbatches ran as one "
+                                             "product per Linear, at the group's last W (each W box: an equal "
+                                             "share of the group's time); the plan is the grouped one")
     lanes: list[TimelineLane]

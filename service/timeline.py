@@ -347,6 +347,7 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
         f'data-utilization="{v["utilization"] if v["utilization"] is not None else ""}" '
         f'data-utilization-plan="{v["utilization_plan"] if v["utilization_plan"] is not None else ""}" '
         f'data-sends-early="{"1" if v.get("sends_early") else ""}" '
+        f'data-weight-group="{v.get("weight_group") or 1}" '
         f'data-available="{available}" font-family="system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif">',
         "<defs>",
         '<pattern id="rt-idle" width="6" height="6" patternUnits="userSpaceOnUse" patternTransform="rotate(45)">'
@@ -362,9 +363,10 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
 def _headline(v: dict, lay: _Layout, title: Optional[str]) -> list[str]:
     """Two lines above the lanes: ``title`` (default: job, step and shape), then the measured
     and planned utilization and the step's span."""
-    chunks = v.get("chunks") or 1
+    chunks, group = v.get("chunks") or 1, v.get("weight_group") or 1
     head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
-                     f"{v['schedule']}{f' ({chunks} chunks per worker)' if chunks > 1 else ''}, "
+                     f"{v['schedule']}{f' ({chunks} chunks per worker)' if chunks > 1 else ''}"
+                     f"{f', W in groups of {group}' if group > 1 else ''}, "
                      f"{v['microbatches_per_replica']} microbatches per replica")
     cost = "B = W = forward" if v["schedule"] in schedules.SPLIT else "backward = 2 x forward"
     util = (f"measured utilization {_pct(v['utilization'])}  ·  plan {_pct(v['utilization_plan'])} "

@@ -108,6 +108,7 @@ def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, s
     assert entry["weight_group"] == group and timeline.check(entry) == []
     view = timeline.view(entry)
     assert view["weight_group"] == group and 0 < view["utilization_plan"] < 1
+    assert f'data-weight-group="{group}"' in timeline.render_svg(view)  # the web page's tooltip reads it
 
 
 def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):

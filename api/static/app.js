@@ -449,6 +449,7 @@ function drawShape(job) {
   const chunks = shapeChunks(shape);
   $("#shape-summary").textContent = `dp ${shape.dp} × pp ${shape.pp}, ${shape.schedule}` +
     (chunks > 1 ? ` (${chunks} model chunks per worker)` : "") +
+    (shape.weight_group > 1 ? ` (the W's of ${shape.weight_group} microbatches computed together)` : "") +
     (shape.replicas ? ` (workers per stage ${shape.replicas.join(", ")})` : "") +
     (shape.tp > 1 ? ` × tp ${shape.tp} (each stage's layers split over ${shape.tp} workers)` : "") + ` with ` +
     `${shape.microbatches_per_replica} microbatches per replica, transport ${shape.transport}` +
@@ -537,8 +538,11 @@ async function loadTimeline(v, job, gen) {
   v.timelineKey = key;
   $("#util-measured").textContent = fmtPct(root.getAttribute("data-utilization"));
   $("#util-plan").textContent = fmtPct(root.getAttribute("data-utilization-plan"));
+  const group = Number(root.getAttribute("data-weight-group") || 1);
   $("#util-plan").title = root.getAttribute("data-sends-early")
     ? "the plan with input gradients sent early: each backward sends the gradient of its input before computing its weight gradients (plain Linear layers), so the stage before waits less"
+    : group > 1
+    ? `the schedule's plan with its W's in groups of ${group} microbatches, each group where its last W stood (each W box: an equal share of its group's one product), backward = 2 x forward`
     : "the schedule's plan, backward = 2 x forward";
   const steps = (root.getAttribute("data-available") || "").split(" ").filter(Boolean);
   const select = $("#timeline-step");
