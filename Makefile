@@ -44,7 +44,7 @@ $(BENCH_STAMP): $(STAMP)
 	touch $(BENCH_STAMP)
 
 # relaytrain against torch.distributed.pipelining, Ray Train and one process (README, "Against
-# the peers"); every schedule at microbatches of 16, 32, 64 rows and M in {4, 8, 16}: about 20 minutes
+# the peers"); every schedule at microbatches of 16, 32, 64 rows and M in {4, 8, 16}: 20-45 minutes
 # on 2 cores.  `make bench-peers BENCH_ARGS=--quick`: 32 rows, M = 8 only, 2 minutes.
 bench-peers: $(BENCH_STAMP)
 	$(PY) bench/peers.py $(BENCH_ARGS)

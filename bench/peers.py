@@ -53,7 +53,7 @@ and waiting per worker, all-reduce, the deferred optimizer step, building the ba
 dispatch, gather and the scheduler's own work).
 
 Writes bench/results/peers.json, peers.txt (the tables) and peers.png (step time against M, one
-panel per microbatch size; ``--quick``: peers_quick.*).  The full run takes about 20 minutes on
+panel per microbatch size; ``--quick``: peers_quick.*).  The full run takes 20-45 minutes on
 2 cores.
 """
 from __future__ import annotations
