@@ -199,7 +199,7 @@ class Cell:
         dp, pp, r, s = cfg["dp"], cfg["pp"], cfg["dp_rank"], cfg["pp_rank"]
         v, name = cfg.get("chunks", 1), cfg["schedule"]
         m = microbatches // dp
-        k = min(cfg.get("weight_group") or 1, m) if name in schedules.SPLIT else 1
+        k = min(cfg.get("weight_group") or 1, m)  # (service/spec.py: above 1 on zb_h1 and zbv only)
         plan = schedules.build(name, pp, m, v, k)
         where = schedules.placement(name)
         V = pp * v
@@ -336,8 +336,9 @@ class StepRunner:
         p = _Progress()
         self.norms.begin()
         for block in self.blocks:
-            if len(block) > 1 and block[0].kind == "W":  # a group's weight gradients together
-                spans = self._weights_together(block, p)
+            if block[0].kind == "W":  # one W, or a group's together (parallelism.weight_group)
+                self.norms.g = c.mb0 + block[0].mb
+                spans = self._weights(block, p)
             elif len(block) > 1:  # a chunk's forwards (or backwards) together: global BatchNorm
                 self.norms.g = c.mb0
                 spans = (self._forwards_together(block, step, xs, ys, p) if block[0].kind == "F"
@@ -345,8 +346,7 @@ class StepRunner:
             else:
                 a = block[0]
                 g = self.norms.g = c.mb0 + a.mb
-                spans = [self._forward(a, step, g, xs, ys, p) if a.kind == "F" else
-                         self._backward(a, step, g, p) if a.kind == "B" else self._weights(a, p)]
+                spans = [self._forward(a, step, g, xs, ys, p) if a.kind == "F" else self._backward(a, step, g, p)]
             for a, (t0, t1) in zip(block, spans):
                 p.busy += t1 - t0
                 p.timeline.append((f"{a.stage}{a.kind}{c.mb0 + a.mb}", t0, t1))  # global microbatch id
@@ -713,11 +713,12 @@ class StepRunner:
             self._send_grads(step, g, vs, inp, received, p)
         return t0, t1
 
-    def _weights_together(self, block: list, p: _Progress) -> list:
-        """W of a group (``parallelism.weight_group``): the Linear weight products of the
-        group's microbatches as one product per layer over their rows together
-        (deferred.weight_grads_grouped); whatever else a W holds runs as it would alone.  On
-        the timeline each W gets an equal share of the group's time."""
+    def _weights(self, block: list, p: _Progress) -> list:
+        """W: the weight gradients of a chunk for the microbatches of ``block`` (split
+        schedules; one, or a group of ``parallelism.weight_group``): the Linear weight products
+        as one product per layer over their rows together (deferred.weight_grads_grouped);
+        whatever else a W holds runs on its own.  On the timeline each W of a group gets an
+        equal share of the group's time."""
         if self.reduce is not None and self.final in block:
             with talking_to_peers("arming the gradient sum"):
                 self.reduce.arm()
@@ -727,21 +728,15 @@ class StepRunner:
             how, what = p.weights.pop((a.stage, a.mb))
             if how == "deferred":
                 together.append(what)
-            else:
-                self._weight_alone(how, what, a.stage)
+            elif how == "groups":
+                stage_backward_weight(iter(self.params[a.stage]), what)
+            elif how == "whole" and any(t.requires_grad for t in what[0]):
+                torch.autograd.backward(what[0], what[1])
             p.live -= 1
         deferred.weight_grads_grouped(together)
         t1 = time.time()
         n = len(block)
         return [(t0 + (t1 - t0) * i / n, t0 + (t1 - t0) * (i + 1) / n) for i in range(n)]
-
-    def _weight_alone(self, how: str, what, vs: int) -> None:
-        if how == "deferred":
-            deferred.weight_grads(what)
-        elif how == "groups":
-            stage_backward_weight(iter(self.params[vs]), what)
-        elif how == "whole" and any(t.requires_grad for t in what[0]):
-            torch.autograd.backward(what[0], what[1])
 
     def _input_backward(self, outs: list, grads: list) -> list:
         """A backward in which the chunk's plain Linears leave their weight products out
@@ -752,18 +747,6 @@ class StepRunner:
         finally:
             what, self.pending.into = self.pending.into, None
         return what
-
-    def _weights(self, a, p: _Progress) -> tuple[float, float]:
-        """W: the weight gradients of a chunk for one microbatch (split schedules)."""
-        how, what = p.weights.pop((a.stage, a.mb))
-        if self.reduce is not None and a == self.final:
-            with talking_to_peers("arming the gradient sum"):
-                self.reduce.arm()
-        t0 = time.time()
-        self._weight_alone(how, what, a.stage)
-        t1 = time.time()
-        p.live -= 1
-        return t0, t1
 
     def _recv(self, p: _Progress, src: int, step: int, kind: str, key: int, meta) -> torch.Tensor:
         t = self.tr.recv_from(src, step, kind, key, meta)

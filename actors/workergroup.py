@@ -217,7 +217,8 @@ class WorkerGroup:
             {"gen": self.gen, "dp_rank": r, "pp_rank": shape.stage_of(s), "slot": s, "replicas": list(shape.replicas),
              "stage_costs": list(shape.stage_costs), "tp": shape.tp,
              "dp": shape.dp, "pp": shape.pp, "bounds": shape.bounds, "boundary": boundary, "schedule": p.schedule,
-             "chunks": shape.chunks, "weight_group": p.weight_group, "committed": committed, "skips": self.skips}, sources.get((r, s), []))
+             "chunks": shape.chunks, "weight_group": p.weight_group, "committed": committed, "skips": self.skips},
+            sources.get((r, s), []))
             for (r, s), h in assign.items()}
         phase = "while taking its cell" if self.gen > 1 else "while starting"
         t0 = time.time()

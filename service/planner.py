@@ -253,7 +253,7 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     where = schedules.placement(schedule)
     bounds = partition.bounds(sizes)
     early = not replicas and tp == 1 and facts.early(bounds, dp, chunks)
-    units, peaks = _plan_model(schedule, pp, m, chunks, early, weight_group if schedule in schedules.SPLIT else 1)
+    units, peaks = _plan_model(schedule, pp, m, chunks, early, weight_group)
     if facts.gathers and schedule == "gpipe":
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
