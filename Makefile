@@ -21,8 +21,9 @@ example: $(STAMP)
 	$(VENV)/bin/relaytrain run examples/digits_mlp.yaml --out out/digits-mlp
 
 # Python caches the project's compiled modules under .venv: every Ray worker of a test
-# imports them, and where PYTHONDONTWRITEBYTECODE is set each compiled them again (0.25 s of CPU
-# each, 2026-11-27).
+# imports them, and where PYTHONDONTWRITEBYTECODE is set each compiled them again (0.26 s of CPU
+# each, 2026-11-27).  With the prefix Python reads every module's compiled code from there, so
+# the first process to import torch compiles it once (about 8 s of CPU).
 test: $(STAMP) chromium
 	env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=$(abspath $(VENV))/pycache $(PY) -m pytest -q
 
