@@ -104,8 +104,8 @@ def test_an_elastic_job_shrinks_to_admit_another_tenants_job_and_grows_back(clus
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # four 1-CPU nodes
     cluster.wait_for_nodes()
     server = serve(cluster, tmp_path)
-    # it grew back at step 722 on 2026-11-27 (37 ms a step after it); 1500 leave twice that
-    elastic_body = spec_dict("wide", 1500, dp=2, pp=2,
+    steps = 1500  # it grew back at step 722 on 2026-11-27 (37 ms a step after it): twice that
+    elastic_body = spec_dict("wide", steps, dp=2, pp=2,
                              elastic={"enabled": True, "min_workers": 2, "max_workers": 4, "snapshot_every_steps": 0})
     fixed_body = spec_dict("bobs", 30)
     try:
@@ -128,7 +128,7 @@ def test_an_elastic_job_shrinks_to_admit_another_tenants_job_and_grows_back(clus
             assert any("the cluster scheduler: shrink from 4 to 2" in e["message"] for e in reshapes), story(a, wide["id"])
             assert len(reshapes) >= 2, story(a, wide["id"])  # shrunk, then grown back
             rows = a.get(f"/v1/jobs/{wide['id']}/metrics").json()
-            assert [r["step"] for r in rows] == list(range(1, 1501))  # no step lost or run twice
+            assert [r["step"] for r in rows] == list(range(1, steps + 1))  # no step lost or run twice
             assert {r["dp"] * r["pp"] for r in rows} == {2, 4}
             assert_like_one_process(a, done_a, elastic_body)
             assert_like_one_process(b, done_b, fixed_body)
