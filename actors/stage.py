@@ -199,8 +199,8 @@ class Cell:
         dp, pp, r, s = cfg["dp"], cfg["pp"], cfg["dp_rank"], cfg["pp_rank"]
         v, name = cfg.get("chunks", 1), cfg["schedule"]
         m = microbatches // dp
-        k = min(cfg.get("weight_group") or 1, m)  # (service/spec.py: above 1 on zb_h1 and zbv only)
-        plan = schedules.build(name, pp, m, v, k)
+        # (service/spec.py: weight_group above 1 on zb_h1 and zbv only; the plan takes at most m)
+        plan = schedules.build(name, pp, m, v, cfg.get("weight_group") or 1)
         where = schedules.placement(name)
         V = pp * v
         mine = tuple(schedules.chunks_of(s, pp, v, where))
@@ -224,7 +224,7 @@ class Cell:
                    actions, boundary, V, where, name in schedules.SPLIT,
                    routes=portals.routes(skips, bounds), skips=len(skips), replicas=reps, rep=rep,
                    slot=slot if reps or tp > 1 else -1, tp=tp, tp_rank=slot % tp if tp > 1 else 0,
-                   weight_group=k)
+                   weight_group=plan.weight_group)
         for a in cell.actions:
             g = cell.mb0 + a.mb
             if a.kind == "F" and a.stage > 0 and not cell.local(a.stage - 1):

@@ -32,7 +32,7 @@ def _schedule(args) -> int:
                                  "is for gpipe, 1f1b and interleaved_1f1b")
             plan = schedules.sends_early(plan)
         title = (f"{plan.name} (input gradients sent early)" if args.sends_early else
-                 f"{plan.name} (W's in groups of {min(args.weight_group, args.microbatches)})" if args.weight_group > 1
+                 f"{plan.name} (W's in groups of {plan.weight_group})" if plan.weight_group > 1
                  else None)
         print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight, title))
     except ValueError as e:

@@ -116,6 +116,7 @@ class Schedule:
     microbatches: int
     order: tuple[tuple[Action, ...], ...]
     chunks: int = 1      # v: model chunks (virtual stages) per worker
+    weight_group: int = 1  # its W's in groups of this many microbatches (group_weights)
 
     @property
     def virtual(self) -> int:
@@ -307,7 +308,7 @@ def group_weights(schedule: Schedule, group: int) -> Schedule:
             elif i in at:
                 row += at[i]
         order.append(tuple(row))
-    return Schedule(schedule.name, schedule.stages, schedule.microbatches, tuple(order), schedule.chunks)
+    return Schedule(schedule.name, schedule.stages, schedule.microbatches, tuple(order), schedule.chunks, group)
 
 
 def build(name: str, stages: int, microbatches: int, chunks: int = 1, weight_group: int = 1) -> Schedule:
