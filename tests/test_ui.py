@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -402,6 +403,60 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
             assert errors == []
         finally:
             browser.close()
+
+
+def test_web_page_says_what_an_admitted_job_waits_for(server):
+    """A job admitted while work outside relaytrain holds the cluster's CPUs (here a placement
+    group of the test) waits for its placement: the job page's Waiting fact says for what, as
+    GET /v1/jobs/{id}'s ``waiting`` does, and is gone once the job has its workers."""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE WEB PAGE WAS NOT TESTED: the playwright "
+                                   "package is missing (pip install -e '.[test]') !!!")
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    total = int(ray.cluster_resources()["CPU"])
+    hold = placement_group([{"CPU": 1}] * total)  # placed once the earlier tests' workers are gone
+    ray.get(hold.ready(), timeout=60)
+    held, job_id = True, None
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    try:
+        with server.client() as c:
+            r = c.post("/v1/jobs", json=small_spec("waits", steps=20))
+            assert r.status_code == 201, r.text
+            job_id = r.json()["id"]
+            deadline = time.monotonic() + 60
+            while not (job := c.get(f"/v1/jobs/{job_id}").json()).get("waiting") and time.monotonic() < deadline:
+                time.sleep(0.3)
+        assert job["state"] == "PENDING", job
+        assert re.fullmatch(rf"waiting for 2 worker slots of {{'CPU': 1\.0}}: 0 of the cluster's {total} CPUs free now; "
+                            r"the job fails if they are not placed within \d+ s \(RELAYTRAIN_START_TIMEOUT_S\)",
+                            job["waiting"] or ""), job
+        with sync_api.sync_playwright() as p:
+            browser = launch_chromium(p)
+            try:
+                page, errors = signed_in_page(browser, server.url + "/")
+                row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+                row.wait_for()
+                assert row.get_attribute("data-state") == "PENDING"
+                row.locator("a").click()
+                page.wait_for_selector("#job-waiting-fact", state="visible")
+                assert page.locator("#job-waiting").inner_text() == job["waiting"]
+                page.screenshot(path=str(ARTIFACTS / "ui-waiting.png"))
+                remove_placement_group(hold)  # the CPUs come free: the job is placed and trains
+                held = False
+                page.wait_for_selector('#view-job[data-state="SUCCEEDED"]', timeout=120_000)
+                assert page.locator("#job-waiting-fact").is_hidden()
+                assert errors == []
+            finally:
+                browser.close()
+        with server.client() as c:
+            assert c.get(f"/v1/jobs/{job_id}").json()["waiting"] is None
+    finally:
+        if held:
+            remove_placement_group(hold)
+        if job_id:
+            with server.client() as c:
+                c.post(f"/v1/jobs/{job_id}/cancel")
 
 
 # ---------------------------------------------------------------- the cluster scheduler's queue
