@@ -12,6 +12,9 @@ time where a device would, and any number of workers fits on 2 cores.
 For p in {2, 4} and M in {4, 8, 16}: each schedule's median step time and measured bubble (the
 metrics rows of a real relaytrain job, collective transport), beside the plan's bubble at
 F = B = W.  Equivalence with one process is the tests' job (tests/test_schedules_engine.py).
+The same paced model also runs in this process, one thread, accumulating the M microbatches
+(the plain PyTorch loop): the pipeline efficiency is (that step / p) / the schedule's step, as
+in bench/peers.py, here without the contention of real compute.
 
     .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 8]
 
@@ -101,6 +104,33 @@ def spec(folder: str, schedule: str, pp: int, m: int, mbs: int, steps: int, laye
     })
 
 
+def one_process(folder: str, pp: int, m: int, mbs: int, steps: int, layers: int) -> list[float]:
+    """Step times of the paced model in this process, one thread, the M microbatches
+    accumulated as the plain PyTorch loop does (SGD step after them)."""
+    import importlib.util
+
+    import torch
+
+    torch.set_num_threads(1)
+    found = importlib.util.spec_from_file_location("paced_layers_here", Path(folder, "paced_layers.py"))
+    mod = importlib.util.module_from_spec(found)
+    found.loader.exec_module(mod)
+    torch.manual_seed(0)
+    model = mod.build(layers=layers)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    xs = [torch.randn(mbs, 64) for _ in range(m)]
+    ys = [torch.randint(0, 10, (mbs,)) for _ in range(m)]
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        for x, y in zip(xs, ys):
+            (torch.nn.functional.cross_entropy(model(x), y) / m).backward()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16])
@@ -123,30 +153,41 @@ def main() -> None:
     for pp in args.pps:
         layers = 4 * pp  # 4 paced layers per worker (2 per chunk with 2 chunks)
         for m in args.ms:
+            alone = one_process(folder, pp, m, args.mbs, args.steps, layers)[2:]
+            single = statistics.median(alone)
+            rows.append({"schedule": "one process", "pp": pp, "M": m, "mbs": args.mbs, "step_s": single,
+                         "steps": alone})
+            print(f"p={pp} M={m:2d} {'one process':22s} step {single * 1e3:7.1f} ms", flush=True)
             for sch in args.schedules:
                 s = spec(folder, sch, pp, m, args.mbs, args.steps, layers)
                 final = run_job(spec=s, spec_dir=folder, out=tempfile.mkdtemp(), progress=False, record=False)
                 timed = final["metrics"][2:]  # the first steps warm up
                 v = s.parallelism.chunks
                 plan = float(schedules.simulate(schedules.build(sch, pp, m, v), 1, 1).bubble)
+                step_s = statistics.median(r["step_time_s"] for r in timed)
                 row = {"schedule": sch, "pp": pp, "M": m, "chunks": v, "mbs": args.mbs,
-                       "step_s": statistics.median(r["step_time_s"] for r in timed),
+                       "step_s": step_s, "efficiency": single / pp / step_s,
                        "bubble": statistics.median(r["bubble"] for r in timed), "bubble_plan": plan,
                        "steps": [r["step_time_s"] for r in timed]}
                 rows.append(row)
                 print(f"p={pp} M={m:2d} {LABEL[sch]:22s} step {row['step_s'] * 1e3:7.1f} ms  bubble "
-                      f"{row['bubble']:.1%} (plan {plan:.1%})", flush=True)
+                      f"{row['bubble']:.1%} (plan {plan:.1%})  efficiency {row['efficiency']:.2f}", flush=True)
     facts = machine()
     ray.shutdown()
     lines = [f"Paced layers: {4} per worker, forward, input gradient and weight gradient "
              f"0.25 ms per sample each, microbatches of {args.mbs}; median of {args.steps - 2} steps; "
              f"collective transport; {time.strftime('%Y-%m-%d')}", "",
-             "| p | M | schedule | step (ms) | vs 1F1B | measured bubble | plan bubble (F = B = W) |",
-             "|---|---|---|---|---|---|---|"]
+             "| p | M | schedule | step (ms) | vs 1F1B | measured bubble | plan bubble (F = B = W) "
+             "| efficiency (one process / p / step) |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        if r["schedule"] == "one process":
+            lines.append(f"| {r['pp']} | {r['M']} | one process, one thread | {r['step_s'] * 1e3:.0f} | | | | |")
+            continue
         base = next(x for x in rows if x["pp"] == r["pp"] and x["M"] == r["M"] and x["schedule"] == "1f1b")
         lines.append(f"| {r['pp']} | {r['M']} | {LABEL[r['schedule']]} | {r['step_s'] * 1e3:.0f} | "
-                     f"{base['step_s'] / r['step_s']:.2f}x | {r['bubble']:.1%} | {r['bubble_plan']:.1%} |")
+                     f"{base['step_s'] / r['step_s']:.2f}x | {r['bubble']:.1%} | {r['bubble_plan']:.1%} "
+                     f"| {r['efficiency']:.2f} |")
     text = "\n".join(lines)
     print(text)
     out = BENCH / "results"

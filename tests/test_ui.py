@@ -135,6 +135,13 @@ def signed_in_page(browser, url: str, timeout_ms: int = 20_000):
     return page, errors
 
 
+def listed(page, job_id: str):
+    """The jobs list's row of ``job_id``, once the page shows it."""
+    row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
+    row.wait_for()
+    return row
+
+
 def test_web_page_shows_the_job_and_cancels_it(server, job):
     sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE WEB PAGE WAS NOT TESTED: the playwright "
                                    "package is missing (pip install -e '.[test]') !!!")
@@ -144,8 +151,7 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
         try:
             # the token is asked for once and kept in the tab's session
             page, errors = signed_in_page(browser, server.url + "/", 60_000)
-            row = page.locator(f'#jobs tr[data-job-id="{job}"]')
-            row.wait_for()
+            row = listed(page, job)
             assert row.get_attribute("data-state") in ("RUNNING", "RESHAPING")
             assert "2×2 · 1f1b" in row.inner_text()
             page.reload()
@@ -435,8 +441,7 @@ def test_web_page_says_what_an_admitted_job_waits_for(server):
             browser = launch_chromium(p)
             try:
                 page, errors = signed_in_page(browser, server.url + "/")
-                row = page.locator(f'#jobs tr[data-job-id="{job_id}"]')
-                row.wait_for()
+                row = listed(page, job_id)
                 assert row.get_attribute("data-state") == "PENDING"
                 row.locator("a").click()
                 page.wait_for_selector("#job-waiting-fact", state="visible")
@@ -580,8 +585,7 @@ def test_web_page_shows_the_queue_and_the_cluster(server, queued_jobs):
             page, errors = signed_in_page(browser, server.url + "/")
 
             # the list: a QUEUED badge in its own colour, its place and reason as the badge's tip
-            row = page.locator(f'#jobs tr[data-job-id="{b["id"]}"]')
-            row.wait_for()
+            row = listed(page, b["id"])
             assert row.get_attribute("data-state") == "QUEUED"
             tag = row.locator(".badge")
             assert tag.inner_text() == "QUEUED"
