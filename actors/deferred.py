@@ -44,6 +44,7 @@ class Pending:
 
     def __init__(self) -> None:
         self.into: Optional[list] = None
+        self.ran: set = set()  # ids of the Linears whose forward went through ``_Linear``
 
 
 class _Linear(torch.autograd.Function):
@@ -153,6 +154,16 @@ def install(part: nn.Module, pending: Pending) -> int:
     return n
 
 
+def covered(part: nn.Module, ran: set) -> float:
+    """The share of ``part``'s trainable parameter elements held by its plain Linears whose
+    forward went through ``_Linear`` (``ran``): what a split backward can leave for W."""
+    params = {id(q): q.numel() for q in part.parameters() if q.requires_grad}
+    mine = {id(q) for m in part.modules() if id(m) in ran for q in (m.weight, m.bias)
+            if q is not None and id(q) in params}
+    total = sum(params.values())
+    return sum(params[i] for i in mine) / total if total else 1.0
+
+
 def uninstall(part: nn.Module) -> None:
     for m in part.modules():
         if tracing.plain_linear(m):
@@ -165,5 +176,6 @@ def _bound(m: nn.Linear, pending: Pending):
     def forward(x):
         if casts and x.dtype != m.weight.dtype:
             x = x.to(m.weight.dtype)
+        pending.ran.add(id(m))
         return _Linear.apply(x, m.weight, m.bias, m, pending)
     return forward

@@ -267,6 +267,9 @@ class Recipe:
     batch_norm: str = "deferred"  # training.batch_norm (actors/batchnorm.py)
 
 
+LINEAR_COVER = 0.9  # share of a chunk's weights its Linears must hold for W to be their products only
+
+
 class StepRunner:
     """Runs a cell's actions for one step; built anew whenever the worker's wiring changes."""
 
@@ -303,6 +306,7 @@ class StepRunner:
             deferred.uninstall(part)
             if own_grads and deferred.install(part, self.pending):
                 self.deferred.add(vs)
+        self.checked_cover = not cell.split  # whether _keep_split_whole has looked (split schedules)
         # every backward sends its input gradient before its weight gradients: the step runs as
         # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
         self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
@@ -353,6 +357,8 @@ class StepRunner:
         with talking_to_peers(f"finishing the sends of step {step + 1}"):
             tr.finish_step()
         t_pipe = time.time()
+        if not self.checked_cover:
+            self._keep_split_whole()
         if self.tp is not None:
             with talking_to_peers(f"summing the gradients of step {step + 1} over the stage's tensor-parallel group"):
                 self.tp.after_backward(self.named)
@@ -374,6 +380,18 @@ class StepRunner:
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total, "received": p.received, "sends_early": self.sends_early}
+
+    def _keep_split_whole(self) -> None:
+        """After the first step of a split schedule: a chunk whose Linears that ran hold less than
+        ``LINEAR_COVER`` of its trainable weights (a layer that keeps an ``nn.Linear`` for its
+        weight and calls ``F.linear`` itself, a Conv2d beside a Linear head) goes back to torch's
+        split, where every weight gradient waits for W; with the Linears' own products only,
+        the others' would be computed in B, and the schedule would lose its split there."""
+        self.checked_cover = True
+        for vs in sorted(self.deferred):
+            if deferred.covered(self.parts[vs], self.pending.ran) < LINEAR_COVER:
+                deferred.uninstall(self.parts[vs])
+                self.deferred.discard(vs)
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of

@@ -15,6 +15,7 @@ from actors.runner import run_job
 from service import checkpoint, schedules, timeline
 from service.spec import SpecError, parse_spec
 from tests import reference
+from tests.conftest import FIXTURES
 from tests.test_engine import assert_same_params, read_jsonl
 
 STEPS = 4
@@ -109,6 +110,30 @@ def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, s
     view = timeline.view(entry)
     assert view["weight_group"] == group and 0 < view["utilization_plan"] < 1
     assert f'data-weight-group="{group}"' in timeline.render_svg(view)  # the web page's tooltip reads it
+
+
+def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, tmp_path):
+    """A layer that keeps an nn.Linear for its parameters and calls F.linear itself: its chunk
+    holds Linears whose forward never runs, so the workers' own Linear products cannot be its
+    W.  From the second step its weight gradients wait for W all the same (torch's split), as
+    they did before the workers computed Linear products themselves: each W takes the layers'
+    weight-gradient time, each B none of it; the numbers are one process's."""
+    ms, layers = 10.0, 4
+    d = spec_of(1, 2, "zb_h1", "collective", steps=3, parallelism={"partition": [3, 3]}).model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": layers, "weight_grad_ms": ms}},
+             data={"kind": "digits"}, loss="cross_entropy")
+    spec = parse_spec(d)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    per_stage = layers // 2 * ms / 1e3  # the weight-gradient time of each worker's FunctionalLinears
+    tl = final["timelines"][-1]
+    assert tl["step"] == 3
+    for lane in tl["workers"].values():
+        ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
+        bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
+        assert len(ws) == len(bs) == spec.microbatches
+        assert min(ws) >= 0.9 * per_stage and max(bs) < 0.5 * per_stage, (ws, bs)
 
 
 def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):
