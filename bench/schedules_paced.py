@@ -104,7 +104,7 @@ def spec(folder: str, schedule: str, pp: int, m: int, mbs: int, steps: int, laye
     })
 
 
-def one_process(folder: str, pp: int, m: int, mbs: int, steps: int, layers: int) -> list[float]:
+def one_process(folder: str, m: int, mbs: int, steps: int, layers: int) -> list[float]:
     """Step times of the paced model in this process, one thread, the M microbatches
     accumulated as the plain PyTorch loop does (SGD step after them)."""
     import importlib.util
@@ -153,7 +153,7 @@ def main() -> None:
     for pp in args.pps:
         layers = 4 * pp  # 4 paced layers per worker (2 per chunk with 2 chunks)
         for m in args.ms:
-            alone = one_process(folder, pp, m, args.mbs, args.steps, layers)[2:]
+            alone = one_process(folder, m, args.mbs, args.steps, layers)[2:]
             single = statistics.median(alone)
             rows.append({"schedule": "one process", "pp": pp, "M": m, "mbs": args.mbs, "step_s": single,
                          "steps": alone})
