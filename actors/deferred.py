@@ -44,7 +44,6 @@ class Pending:
 
     def __init__(self) -> None:
         self.into: Optional[list] = None
-        self.ran: set = set()  # ids of the Linears whose forward went through ``_Linear``
 
 
 class _Linear(torch.autograd.Function):
@@ -154,17 +153,87 @@ def install(part: nn.Module, pending: Pending) -> int:
     return n
 
 
-def covered(part: nn.Module, ran: set) -> float:
-    """The share of ``part``'s trainable parameter elements held by its plain Linears whose
-    forward went through ``_Linear`` (``ran``): what a split backward can leave for W."""
-    params = {id(q): q.numel() for q in part.parameters() if q.requires_grad}
-    mine = {id(q) for m in part.modules() if id(m) in ran for q in (m.weight, m.bias)
-            if q is not None and id(q) in params}
-    total = sum(params.values())
-    return sum(params[i] for i in mine) / total if total else 1.0
+# the share of a chunk's weight-gradient work its Linears' own products must hold for a split
+# schedule to leave them alone (``covered``); below it, the chunk splits with torch's
+# stage_backward_input / stage_backward_weight, where every weight gradient waits for W
+LINEAR_COVER = 0.9
+
+
+def _rows_hook(rows: dict):
+    def hook(m: nn.Module, args, out) -> None:
+        if id(m) not in rows:
+            t = _first_tensor(out)
+            if t is not None:
+                # the rows a weight is applied to: a conv's output positions, otherwise every
+                # entry but the last dimension's (tokens, batch rows)
+                ch = 1 if isinstance(m, nn.modules.conv._ConvNd) and t.dim() > 2 else -1
+                rows[id(m)] = t.numel() // max(t.shape[ch], 1) if t.dim() else 1
+    hook.relaytrain_rows = True
+    return hook
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    for v in (out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def count_rows(part: nn.Module, rows: dict) -> list:
+    """Forward hooks on every module of ``part`` recording in ``rows`` (the module's id -> rows)
+    the rows of its first output, the first time it runs: what ``covered`` weighs each weight
+    by.  Returns the hooks' handles; hooks of an earlier call are dropped first."""
+    forget_rows(part)
+    return [m.register_forward_hook(_rows_hook(rows)) for m in part.modules()]
+
+
+def forget_rows(part: nn.Module) -> None:
+    for m in part.modules():
+        for k in [k for k, h in m._forward_hooks.items() if getattr(h, "relaytrain_rows", False)]:
+            del m._forward_hooks[k]
+
+
+def _grad_work(m: nn.Module, q: torch.Tensor, rows: Optional[int]) -> float:
+    """A weight's gradient's multiply-adds for ``rows`` rows: a matrix's (a Linear's, a conv's
+    kernel, an attention's projections) 2 x rows x its elements; a vector's (a bias, a norm's
+    scale) or an embedding table's (a scatter into the rows looked up) rows x its last dimension."""
+    if rows is None:
+        return 0.0
+    if q.dim() >= 2 and not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+        return 2.0 * rows * q.numel()
+    return float(rows * (q.shape[-1] if q.dim() else 1))
+
+
+def covered(part: nn.Module, rows: dict) -> float:
+    """The share of ``part``'s weight-gradient work (``_grad_work``, by the rows ``count_rows``
+    saw) held by its Linears whose forward went through ``_Linear`` (``install``ed, and called:
+    ``rows`` holds them): what a split backward can leave for W.  Weighed by work, not by elements: a Conv2d's small kernel, applied
+    at every position of its image, can cost more than a Linear head ten times its size.  A
+    module that never ran itself (a Linear whose weight its parent passes to ``F.linear``) is
+    weighed by its parent's rows; a weight no running module holds counts nothing."""
+    seen: set = set()
+    mine = total = 0.0
+
+    def walk(m: nn.Module, inherited: Optional[int]) -> None:
+        nonlocal mine, total
+        r = rows.get(id(m), inherited)
+        own = "forward" in m.__dict__ and tracing.plain_linear(m)
+        for q in m.parameters(recurse=False):
+            if q.requires_grad and id(q) not in seen:
+                seen.add(id(q))
+                work = _grad_work(m, q, r)
+                total += work
+                mine += work if own and id(m) in rows else 0.0
+        for c in m.children():
+            walk(c, r)
+    walk(part, None)
+    return mine / total if total else 1.0
 
 
 def uninstall(part: nn.Module) -> None:
+    forget_rows(part)
     for m in part.modules():
         if tracing.plain_linear(m):
             m.__dict__.pop("forward", None)
@@ -176,6 +245,5 @@ def _bound(m: nn.Linear, pending: Pending):
     def forward(x):
         if casts and x.dtype != m.weight.dtype:
             x = x.to(m.weight.dtype)
-        pending.ran.add(id(m))
         return _Linear.apply(x, m.weight, m.bias, m, pending)
     return forward

@@ -267,9 +267,6 @@ class Recipe:
     batch_norm: str = "deferred"  # training.batch_norm (actors/batchnorm.py)
 
 
-LINEAR_COVER = 0.9  # share of a chunk's weights its Linears must hold for W to be their products only
-
-
 class StepRunner:
     """Runs a cell's actions for one step; built anew whenever the worker's wiring changes."""
 
@@ -306,7 +303,12 @@ class StepRunner:
             deferred.uninstall(part)
             if own_grads and deferred.install(part, self.pending):
                 self.deferred.add(vs)
-        self.checked_cover = not cell.split  # whether _keep_split_whole has looked (split schedules)
+        # split schedules: the first step counts the rows each module of a deferred chunk sees,
+        # after which _keep_split_whole weighs what the Linears' own products leave for W
+        self.checked_cover = not cell.split or not self.deferred
+        self.rows: dict = {}
+        self.row_hooks = [] if self.checked_cover else \
+            [h for vs in sorted(self.deferred) for h in deferred.count_rows(self.parts[vs], self.rows)]
         # every backward sends its input gradient before its weight gradients: the step runs as
         # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
         self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
@@ -383,15 +385,19 @@ class StepRunner:
 
     def _keep_split_whole(self) -> None:
         """After the first step of a split schedule: a chunk whose Linears that ran hold less than
-        ``LINEAR_COVER`` of its trainable weights (a layer that keeps an ``nn.Linear`` for its
-        weight and calls ``F.linear`` itself, a Conv2d beside a Linear head) goes back to torch's
+        ``deferred.LINEAR_COVER`` of its weight-gradient work (``deferred.covered``: a layer that
+        keeps an ``nn.Linear`` for its weight and calls ``F.linear`` itself, convolutions before
+        a Linear head that has most of the weights but little of the work) goes back to torch's
         split, where every weight gradient waits for W; with the Linears' own products only,
         the others' would be computed in B, and the schedule would lose its split there."""
         self.checked_cover = True
+        for h in self.row_hooks:
+            h.remove()
         for vs in sorted(self.deferred):
-            if deferred.covered(self.parts[vs], self.pending.ran) < LINEAR_COVER:
+            if deferred.covered(self.parts[vs], self.rows) < deferred.LINEAR_COVER:
                 deferred.uninstall(self.parts[vs])
                 self.deferred.discard(vs)
+        self.row_hooks, self.rows = [], {}
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of

@@ -79,13 +79,14 @@ def test_a_split_backward_equals_the_whole_one_for_linears_used_twice_frozen_and
     assert set(split.state_dict()) == set(model.state_dict())
 
 
-def test_a_split_backward_equals_the_whole_one_on_a_transformers_llama_block():
+def llama_blocks(n: int) -> list:
+    """``n`` transformers LlamaDecoderLayers of width 32 (random init), each taking the hidden
+    states alone (the rotary embeddings made inside)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     cfg = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4,
                                    num_key_value_heads=2, vocab_size=64, max_position_embeddings=16)
-    torch.manual_seed(1)
     rotary = LlamaRotaryEmbedding(cfg)
 
     class Block(nn.Module):
@@ -97,7 +98,12 @@ def test_a_split_backward_equals_the_whole_one_on_a_transformers_llama_block():
             pos = torch.arange(h.shape[1]).unsqueeze(0)
             return self.layer(h, position_embeddings=rotary(h, pos))
 
-    model = nn.Sequential(Block(), Block())
+    return [Block() for _ in range(n)]
+
+
+def test_a_split_backward_equals_the_whole_one_on_a_transformers_llama_block():
+    torch.manual_seed(1)
+    model = nn.Sequential(*llama_blocks(2))
     whole, got, gx, _, _ = grads_whole_and_split(model, torch.randn(2, 6, 32))
     assert sum(q.numel() for q in model.parameters()) > 10_000
     for n in whole:
@@ -202,3 +208,78 @@ def test_the_built_in_models_linear_splits_too_and_casts_its_input():
         torch.testing.assert_close(split(x), model(x), rtol=0, atol=0)
     deferred.uninstall(split)
     assert all("forward" not in m.__dict__ for m in split.modules())
+
+
+def coverage(model: nn.Module, *inputs) -> float:
+    """``deferred.covered`` after one forward with the rows counted, as a split schedule's
+    first step counts them; the hooks are gone afterwards."""
+    deferred.install(model, deferred.Pending())
+    rows: dict = {}
+    handles = deferred.count_rows(model, rows)
+    with torch.no_grad():
+        model(*inputs)
+    for h in handles:
+        h.remove()
+    assert not any(m._forward_hooks for m in model.modules())
+    return deferred.covered(model, rows)
+
+
+class FunctionalLinear(nn.Module):
+    """Keeps an nn.Linear for its weight and calls F.linear itself."""
+
+    def __init__(self, width: int):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(nn.functional.linear(x, self.lin.weight, self.lin.bias))
+
+
+def test_what_the_linears_own_products_cover_is_weighed_by_work_not_by_weights():
+    """A split schedule keeps the Linears' own products as W only where they hold at least
+    ``LINEAR_COVER`` of the chunk's weight-gradient work; else torch's split makes every weight
+    gradient wait for W.  Convolutions before a Linear head: the head holds 93% of the weights
+    but a fifth of the work (each kernel is applied at all 64 positions of an 8 x 8 image)."""
+    torch.manual_seed(5)
+    convs = nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                          nn.Linear(16 * 64, 32), nn.ReLU(), nn.Linear(32, 10))
+    linear_params = sum(q.numel() for m in convs if isinstance(m, nn.Linear) for q in m.parameters())
+    assert linear_params / sum(q.numel() for q in convs.parameters()) > 0.9
+    cover = coverage(convs, torch.randn(4, 64))
+    assert 0.1 < cover < 0.3, cover
+    # plain Linears with a LayerNorm and activations as entries of their own: all but the norm
+    mlp = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.LayerNorm(64), nn.Linear(64, 16))
+    assert deferred.LINEAR_COVER < coverage(mlp, torch.randn(4, 3, 16)) < 1.0
+    # the F.linear layers' Linears never ran: only the plain Linears around them count
+    functional = nn.Sequential(nn.Linear(16, 16), FunctionalLinear(16), FunctionalLinear(16), nn.Linear(16, 4))
+    assert coverage(functional, torch.randn(4, 16)) < deferred.LINEAR_COVER
+    # nn.MultiheadAttention passes its projections' weights to F: its out_proj never runs
+    attn = nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    assert coverage(attn, x, x, x) == 0.0
+    # a Linear that did not run in the step (an unused head) weighs nothing either way
+    unused = nn.ModuleDict({"used": nn.Linear(8, 8), "head": nn.Linear(8, 1000)})
+    deferred.install(unused, deferred.Pending())
+    rows: dict = {}
+    deferred.count_rows(unused, rows)
+    unused["used"](torch.randn(3, 8))
+    assert deferred.covered(unused, rows) == 1.0
+    # hooks of a first step that never ended are dropped by the next count and by uninstall
+    deferred.count_rows(unused, rows)
+    assert sum(len(m._forward_hooks) for m in unused.modules()) == 3
+    deferred.uninstall(unused)
+    assert not any(m._forward_hooks for m in unused.modules())
+
+
+def test_coverage_of_transformers_blocks_llama_s_linears_and_gpt2_s_conv1d():
+    """Code nobody here wrote: a Llama block's projections are nn.Linear (its own products are
+    W), GPT-2's are transformers' Conv1D, not Linears (the chunk takes torch's split)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(6)
+    h = torch.randn(2, 6, 32)
+    assert coverage(llama_blocks(1)[0], h) > 0.99
+    gpt2 = GPT2Block(transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16), layer_idx=0)
+    assert coverage(gpt2, h) < 0.01

@@ -136,6 +136,30 @@ def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, t
         assert min(ws) >= 0.9 * per_stage and max(bs) < 0.5 * per_stage, (ws, bs)
 
 
+def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ray_session, tmp_path):
+    """Two Conv2d layers and a Linear head on the last worker: the head holds 93% of the chunk's
+    weights but a fifth of its weight-gradient work (a kernel is applied at every position of
+    the image).  The convolutions' weight gradients wait for W (torch's split from the second
+    step): each W takes their time, each B none of it; the numbers are one process's.  (Weighed
+    by weight elements, the chunk kept the Linears' own products as its W, and each B took the
+    convolutions' 20 ms.)"""
+    ms = 10.0
+    d = spec_of(1, 2, "zb_h1", "collective", steps=3, parallelism={"partition": [1, 9]}).model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:convs_and_a_linear_head", "args": {"weight_grad_ms": ms}},
+             data={"kind": "digits"}, loss="cross_entropy")
+    spec = parse_spec(d)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    tl = final["timelines"][-1]
+    assert tl["step"] == 3
+    lane = tl["workers"]["w0.1"]
+    ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
+    bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
+    assert len(ws) == len(bs) == spec.microbatches
+    assert min(ws) >= 0.9 * 2 * ms / 1e3 and max(bs) < ms / 1e3, (ws, bs)
+
+
 def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):
     """ZB-V on 1x2 (chunks 0 and 3 on worker 0) writes a checkpoint; interleaved 1F1B on 2x2 with
     chunks on other workers resumes from it and ends equal to one uninterrupted loop."""
