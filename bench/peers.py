@@ -157,7 +157,8 @@ class Processes(Contestant):
         import peers_procs
 
         ctx = mp.get_context("spawn")
-        port = _free_port()
+        self.procs, self.conns = [], []
+        port = _free_port()  # free when asked; another process may take it before rank 0 listens (ready)
         for rank in range(self.world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=peers_procs.serve, args=(child, self.kind, rank, self.world, port, self.m,
@@ -177,8 +178,23 @@ class Processes(Contestant):
             out.append(payload)
         return out
 
-    def ready(self) -> None:
-        self._answers(300)
+    def ready(self, tries: int = 3) -> None:
+        """Waits for every rank to be up; where rank 0 found its port taken (``_free_port``'s
+        race with the machine's other processes), starts them again on another."""
+        for attempt in range(tries):
+            try:
+                self._answers(300)
+                return
+            except RuntimeError as e:
+                if "EADDRINUSE" not in str(e) or attempt == tries - 1:
+                    raise
+                log(f"{self.name}: its port was taken before it listened; starting it again on another")
+                self.stop()
+                for p in self.procs:
+                    p.join(10)
+                    if p.is_alive():
+                        p.kill()
+                self.start()
 
     def run(self, n: int) -> list[dict]:
         for c in self.conns:
@@ -814,10 +830,21 @@ def main() -> None:
         for mbs in sizes:
             for m in ms:
                 results.append(run_cell(m, mbs, args, raytrain))
+                # each size's figures are kept as soon as they are in: a later failure loses only its own
+                write(results, args, ms, sizes, load_start, t_start, final=False)
     finally:
         if raytrain is not None:
             raytrain.stop()
         ray.shutdown()
+    write(results, args, ms, sizes, load_start, t_start, final=True)
+
+
+def write(results: list, args, ms: list, sizes: list, load_start, t_start: float, final: bool) -> None:
+    """The table (.txt), every figure (.json) and, at the end, the plot (.png); before the end
+    the text's header says how many sizes are in."""
+    import ray
+    import torch
+
     load_end = load()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -825,7 +852,10 @@ def main() -> None:
     header = (f"{peers_spec.DESCRIPTION}; p = {args.pp}; {args.rounds} interleaved rounds x {args.steps} timed steps "
               f"per contestant and (mbs, M); one thread per worker; 2 cores; load average {load_start} at start, "
               f"{load_end} at end; {time.time() - t_start:.0f} s; {time.strftime('%Y-%m-%d')}")
-    print("\n" + header + "\n\n" + text)
+    if not final:
+        header += f"; PARTIAL: {len(results)} of {len(ms) * len(sizes)} sizes so far"
+    else:
+        print("\n" + header + "\n\n" + text)
     out.with_suffix(".txt").write_text(header + "\n\n" + text + "\n")
     out.with_suffix(".json").write_text(json.dumps({
         "time": time.time(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "seconds": time.time() - t_start,
@@ -837,7 +867,9 @@ def main() -> None:
                    "schedules": args.schedules, "torch_schedules": args.torch_schedules,
                    "transports": args.transports, "rounds": args.rounds, "timed_steps_per_round": args.steps,
                    "check_steps": args.check, "rtol": RTOL, "atol": ATOL},
-        "results": results}, indent=1))
+        "results": results, "complete": final}, indent=1))
+    if not final:
+        return
     try:
         plot(results, out.with_suffix(".png"))
     except ImportError as e:
