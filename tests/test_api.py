@@ -205,34 +205,45 @@ def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_i
 
 
 def test_server_restart_mid_job(ray_session, tmp_path):
+    # long enough to outlive the server's absence on a fast day: 150 steps once ended inside it
+    # (the job ran about 75 steps a second on 2026-11-28), and the follower never saw it gone
+    steps = 1000
     s = Server(tmp_path, ray_session.get_runtime_context().gcs_address).start()
     try:
         with s.client() as c:
-            job = c.post("/v1/jobs", json=small_spec("survivor", steps=150)).json()
+            job = c.post("/v1/jobs", json=small_spec("survivor", steps=steps)).json()
             deadline = time.monotonic() + 60
             while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 3 and time.monotonic() < deadline:
                 time.sleep(0.2)
         # a user following the job's log sits the restart out (it exited 1 on the first refused poll)
-        follower = subprocess.Popen([sys.executable, "-m", "api.cli", "logs", "-f", job["id"], "--source", "events"],
-                                    env={**os.environ, "RELAYTRAIN_TOKEN": ALICE, "RELAYTRAIN_SERVER": s.url},
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(2)
+        printed = tmp_path / "follower.out"
+        with open(printed, "w") as sink:
+            follower = subprocess.Popen([sys.executable, "-m", "api.cli", "logs", "-f", job["id"], "--source", "events"],
+                                        env={**os.environ, "RELAYTRAIN_TOKEN": ALICE, "RELAYTRAIN_SERVER": s.url},
+                                        stdout=sink, stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not printed.read_text() and time.monotonic() < deadline:  # it follows: killed while it polls
+            time.sleep(0.1)
+        with s.client() as c:
+            before = c.get(f"/v1/jobs/{job['id']}").json()
+        assert before["state"] == "RUNNING", f"the job ended before the server was killed: give it more steps ({before})"
         s.kill()
         time.sleep(3)  # the job trains on with no API server
         s.start()
         with s.client() as c:
             live = c.get(f"/v1/jobs/{job['id']}").json()
             assert live["state"] in ("RUNNING", "SUCCEEDED") and live["step"] > 3
-            done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
+            done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED"}, timeout=300)
             assert done["state"] == "SUCCEEDED", done["error"]
-            steps = [r["step"] for r in c.get(f"/v1/jobs/{job['id']}/metrics").json()]
-            assert steps == list(range(1, 151))
+            rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()
+            assert [r["step"] for r in rows] == list(range(1, steps + 1))
             got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
-        out, err = follower.communicate(timeout=60)
+        _, err = follower.communicate(timeout=60)
+        out = printed.read_text()
         assert follower.returncode == 0, err
         assert "trying again" in err and "the server answers again" in err, err
         assert out.count(" finished ") == 1 and out.count(" started ") == 1, out  # every line once
-        want, _ = reference.train(parse_spec(small_spec("survivor", steps=150)))
+        want, _ = reference.train(parse_spec(small_spec("survivor", steps=steps)))
         for k in want:
             torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
         # SIGTERM, as Kubernetes stops a pod: uvicorn's graceful shutdown (Ray's own handler, which
