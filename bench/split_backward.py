@@ -10,7 +10,9 @@ whole backward, and B and W; and the pure matrix products of W (grad_out^T @ inp
 comparison, and relaytrain's deferred-Linear B and W.  First it times a stage's whole step (M = 8,
 forward and whole backward per microbatch) with torch's autograd against relaytrain's own weight
 gradients, which every schedule uses for plain Linears.  The difference between B + W and the whole backward is what a split schedule must
-win back from the bubble.
+win back from the bubble.  Last, a CNN stage whose Linear head holds most of the weights but
+little of the weight-gradient work: torch's split (what relaytrain runs on such a chunk,
+``deferred.covered``) against the head's own product alone in W, the convolutions' in B.
 
     .venv/bin/python bench/split_backward.py
 """
@@ -38,16 +40,25 @@ def _stage() -> nn.Module:
     return nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.ReLU()) for _ in range(4)])
 
 
-def measure(mbs: int, runs: int = 60) -> dict:
+def _conv_stage() -> nn.Module:
+    """A middle stage of a small CNN: two Conv2d(32, 32, 3) on 16 x 16 images, then a Linear head
+    (8192 -> 128) that holds 98% of the weights but about a fifth of the weight-gradient work."""
+    return nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
+                         nn.Flatten(), nn.Linear(32 * 16 * 16, 128), nn.ReLU())
+
+
+def measure(mbs: int, runs: int = 60, build=_stage, shape: tuple = (1024,)) -> dict:
     torch.manual_seed(0)
-    model = _stage()
+    model = build()
     params = list(model.parameters())
     got = {"forward": [], "whole backward": [], "B": [], "W": [], "deferred B": [], "deferred W": []}
     pending = deferred.Pending()
+    with torch.no_grad():
+        out_shape = model(torch.zeros(mbs, *shape)).shape
     for i in range(runs):
         for split in (False, True, "deferred"):
-            x = torch.randn(mbs, 1024, requires_grad=True)
-            g = torch.randn(mbs, 1024)
+            x = torch.randn(mbs, *shape, requires_grad=True)
+            g = torch.randn(out_shape)
             t0 = time.perf_counter()
             out = model(x)
             t1 = time.perf_counter()
@@ -82,6 +93,9 @@ def measure(mbs: int, runs: int = 60) -> dict:
                 deferred.install(model, pending)
             elif split == "deferred":
                 deferred.uninstall(model)
+    out = {k: statistics.median(v) * 1e3 for k, v in got.items()}
+    if build is not _stage:
+        return out
     a, go = torch.randn(mbs, 1024), torch.randn(mbs, 1024)
     acc, bias = torch.zeros(1024, 1024), torch.zeros(1024)
     t0 = time.perf_counter()
@@ -89,7 +103,6 @@ def measure(mbs: int, runs: int = 60) -> dict:
         for _ in range(4):
             acc.addmm_(go.t(), a)
             bias.add_(go.sum(0))
-    out = {k: statistics.median(v) * 1e3 for k, v in got.items()}
     out[PURE] = (time.perf_counter() - t0) / runs * 1e3
     return out
 
@@ -148,6 +161,29 @@ def main() -> None:
         dw = m["deferred B"] + m["deferred W"]
         print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | "
               f"{bw / m['whole backward'] - 1:+.0%} | {m[PURE]:.2f} | {m['deferred B']:.2f} | {m['deferred W']:.2f} | "
+              f"{dw / m['whole backward'] - 1:+.0%} |")
+    model = _conv_stage()
+    deferred.install(model, deferred.Pending())
+    rows: dict = {}
+    deferred.count_rows(model, rows)
+    with torch.no_grad():
+        model(torch.zeros(4, 32, 16, 16))
+    deferred.forget_rows(model)
+    head = sum(q.numel() for q in model[5].parameters()) / sum(q.numel() for q in model.parameters())
+    print()
+    print(f"A CNN stage (2 x Conv2d(32, 32, 3) on 16 x 16, a Linear head 8192 -> 128: {head:.0%} of the weights, "
+          f"{deferred.covered(model, rows):.0%} of the weight-gradient work): torch's split (every weight gradient in W, "
+          "what relaytrain runs on it) against the Linear's own product alone in W (the convolutions' in B, "
+          "what it ran when the rule weighed weight elements), ms")
+    print("| rows | forward | whole backward | torch B | torch W | B + W over whole | Linear-only B | Linear-only W "
+          "| B + W over whole |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mbs in (16, 32, 64):
+        m = measure(mbs, runs=30, build=_conv_stage, shape=(32, 16, 16))
+        bw = m["B"] + m["W"]
+        dw = m["deferred B"] + m["deferred W"]
+        print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | "
+              f"{bw / m['whole backward'] - 1:+.0%} | {m['deferred B']:.2f} | {m['deferred W']:.2f} | "
               f"{dw / m['whole backward'] - 1:+.0%} |")
 
 
