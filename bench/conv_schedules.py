@@ -1,0 +1,99 @@
+"""A CNN on 2 workers: 1F1B against ZB-H1 where the split's weight gradients are torch's.
+
+Each worker's chunk holds convolutions and a Linear that has most of its weights but little of
+its weight-gradient work, so a split schedule runs torch's ``stage_backward_input`` /
+``stage_backward_weight`` there (``actors/deferred.covered``), which costs more compute than the
+whole backward on a CPU (bench/split_backward.py), while 1F1B keeps the whole backward with the
+Linears' own products and sends each input gradient early.  Real compute, one thread per worker,
+digits data through Linear(64, 2048) into 8 x 16 x 16 images, four Conv2d(., 32, 3), a Linear head
+8192 -> 128 -> 10; p = 2, M = 8; the schedules alternate round by round; median step of each.
+
+    .venv/bin/python bench/conv_schedules.py [--mbs 16 32] [--rounds 3] [--steps 12]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+sys.path.insert(0, str(BENCH.parent))
+
+CNN = '''"""bench/conv_schedules.py's CNN."""
+from torch import nn
+
+
+def build(channels=32, classes=10):
+    c = channels
+    return nn.Sequential(
+        nn.Linear(64, 8 * 256), nn.Unflatten(1, (8, 16, 16)),
+        nn.Conv2d(8, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(c, c, 3, padding=1), nn.ReLU(), nn.Conv2d(c, c, 3, padding=1), nn.ReLU(),
+        nn.Flatten(), nn.Linear(c * 256, 128), nn.ReLU(), nn.Linear(128, classes))
+'''
+
+RUNS = {"1F1B": ("1f1b", 1), "ZB-H1": ("zb_h1", 1), "ZB-H1 W xM": ("zb_h1", 0)}
+
+
+def spec(name: str, m: int, mbs: int, steps: int):
+    from service.spec import parse_spec
+
+    schedule, group = RUNS[name]
+    par = {"dp": 1, "pp": 2, "schedule": schedule, "transport": "collective", "partition": [6, 8]}
+    if group == 0:
+        par["weight_group"] = m
+    return parse_spec({
+        "name": f"cnn-{schedule}-m{m}-b{mbs}".replace("_", "-"),
+        "model": {"builder": "cnn_layers:build"}, "data": {"kind": "digits"}, "loss": "cross_entropy",
+        "optimizer": {"name": "sgd", "lr": 0.01},
+        "training": {"global_batch_size": m * mbs, "microbatch_size": mbs, "steps": steps, "seed": 0},
+        "parallelism": par, "resources": {"cpus_per_worker": 1}, "checkpoint": {"every_steps": 0}})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mbs", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--m", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=12)
+    args = ap.parse_args()
+
+    import ray
+
+    from actors.runner import run_job
+
+    folder = tempfile.mkdtemp(prefix="relaytrain-cnn-")
+    Path(folder, "cnn_layers.py").write_text(CNN)
+    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
+    lines = [f"CNN on p = 2, M = {args.m}, median step (ms) over {args.rounds} alternated rounds of "
+             f"{args.steps - 2} timed steps, measured bubble median; {time.strftime('%Y-%m-%d %H:%M')}", "",
+             "| rows | schedule | step (ms) | vs 1F1B | measured bubble |", "|---|---|---|---|---|"]
+    for mbs in args.mbs:
+        steps: dict = {k: [] for k in RUNS}
+        bubbles: dict = {k: [] for k in RUNS}
+        for r in range(args.rounds):
+            names = list(RUNS)[r % len(RUNS):] + list(RUNS)[:r % len(RUNS)]  # the order rotates
+            for name in names:
+                final = run_job(spec=spec(name, args.m, mbs, args.steps), spec_dir=folder,
+                                out=tempfile.mkdtemp(), progress=False, record=False)
+                timed = final["metrics"][2:]
+                steps[name] += [x["step_time_s"] for x in timed]
+                bubbles[name] += [x["bubble"] for x in timed]
+                print(f"rows {mbs} round {r + 1} {name}: {statistics.median(x['step_time_s'] for x in timed) * 1e3:.0f} ms",
+                      flush=True)
+        base = statistics.median(steps["1F1B"])
+        for name in RUNS:
+            med = statistics.median(steps[name])
+            lines.append(f"| {mbs} | {name} | {med * 1e3:.0f} | {base / med:.2f}x | {statistics.median(bubbles[name]):.1%} |")
+    ray.shutdown()
+    text = "\n".join(lines)
+    print(text)
+    (BENCH / "results" / "conv_schedules.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
