@@ -181,12 +181,13 @@ def _first_tensor(out):
     return None
 
 
-def count_rows(part: nn.Module, rows: dict) -> list:
+def count_rows(part: nn.Module, rows: dict) -> None:
     """Forward hooks on every module of ``part`` recording in ``rows`` (the module's id -> rows)
     the rows of its first output, the first time it runs: what ``covered`` weighs each weight
-    by.  Returns the hooks' handles; hooks of an earlier call are dropped first."""
+    by.  Hooks of an earlier call are dropped first; ``forget_rows`` (and ``uninstall``) drop them."""
     forget_rows(part)
-    return [m.register_forward_hook(_rows_hook(rows)) for m in part.modules()]
+    for m in part.modules():
+        m.register_forward_hook(_rows_hook(rows))
 
 
 def forget_rows(part: nn.Module) -> None:

@@ -307,8 +307,9 @@ class StepRunner:
         # after which _keep_split_whole weighs what the Linears' own products leave for W
         self.checked_cover = not cell.split or not self.deferred
         self.rows: dict = {}
-        self.row_hooks = [] if self.checked_cover else \
-            [h for vs in sorted(self.deferred) for h in deferred.count_rows(self.parts[vs], self.rows)]
+        if not self.checked_cover:
+            for vs in self.deferred:
+                deferred.count_rows(self.parts[vs], self.rows)
         # every backward sends its input gradient before its weight gradients: the step runs as
         # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
         self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
@@ -391,13 +392,12 @@ class StepRunner:
         split, where every weight gradient waits for W; with the Linears' own products only,
         the others' would be computed in B, and the schedule would lose its split there."""
         self.checked_cover = True
-        for h in self.row_hooks:
-            h.remove()
         for vs in sorted(self.deferred):
+            deferred.forget_rows(self.parts[vs])
             if deferred.covered(self.parts[vs], self.rows) < deferred.LINEAR_COVER:
                 deferred.uninstall(self.parts[vs])
                 self.deferred.discard(vs)
-        self.row_hooks, self.rows = [], {}
+        self.rows = {}
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of

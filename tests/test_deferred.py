@@ -215,11 +215,10 @@ def coverage(model: nn.Module, *inputs) -> float:
     first step counts them; the hooks are gone afterwards."""
     deferred.install(model, deferred.Pending())
     rows: dict = {}
-    handles = deferred.count_rows(model, rows)
+    deferred.count_rows(model, rows)
     with torch.no_grad():
         model(*inputs)
-    for h in handles:
-        h.remove()
+    deferred.forget_rows(model)
     assert not any(m._forward_hooks for m in model.modules())
     return deferred.covered(model, rows)
 
