@@ -12,12 +12,12 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from actors import evaluation, layerfacts
+from actors import deferred, evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
 from actors.failures import JobCancelled, JobFailure, LostWorkerFailure, WorkerLost, cell_name
 from actors.jobstates import (Cancelled, Failed, Finishing, Preempted, Reshaping, Restarting, Running, Starting, State,
                               Succeeded)
-from actors.record import JobRecord, metrics_row
+from actors.record import JobRecord, metrics_row, weight_split_message
 from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
@@ -62,6 +62,8 @@ class JobController:
         self.drain_stay = (0.0, -1)                  # no move off them before (this monotonic time, nor at this step)
         self.kept: dict = {}                         # a restart's live workers, by cell, until it installs the shape
         self.restart_deadline = 0.0                  # a restart's new workers are tried until then (monotonic)
+        self.split_tried: dict = {}                  # a trial of the backward's splits: mode -> its steps' times
+        self.split: Optional[str] = None             # its choice, sent with each step call (_split_trial)
 
     # ---------------------------------------------------------------- the cluster scheduler's orders
 
@@ -246,10 +248,10 @@ class JobController:
         if early:
             _, refs, t0 = self.queued
         else:
-            t0, refs = time.time(), self.group.call_all("run_step", step)
+            t0, refs = time.time(), self.group.call_all("run_step", step, self.split)
         self.queued = None
         if self._may_queue(step + 1):  # the workers start it as they end this one (and commit this one then)
-            self.queued = (step + 1, self.group.call_all("run_step", step + 1), None)
+            self.queued = (step + 1, self.group.call_all("run_step", step + 1, self.split), None)
         try:
             stats = self.group.gather(refs, step, self.group.timeout)
         except WorkerLost as lost:
@@ -268,6 +270,26 @@ class JobController:
             stats[next(iter(stats))]["queued_early"] = True
         self._commit(step, stats, wall, eval_loss)  # the step stands even if its evaluation was lost
         return self._lost(step, lost.refs, lost) if lost else Running(step + 1)
+
+    def _split_trial(self, step: int, stats: dict, wall: float) -> None:
+        """The steps of a trial of the backward's two splits (actors/stage.py ``_keep_split_whole``:
+        chunks whose Linears hold too little of their weight-gradient work): each step's time
+        counts for the split it ran; after the last, the faster is chosen (``deferred.choose_split``),
+        sent with every later step call, and a ``weight_split`` event says which and why."""
+        trials = {f"w{r}.{s}": st.pop("split_trial") for (r, s), st in sorted(stats.items()) if st.get("split_trial")}
+        if not trials:
+            return
+        first = next(iter(trials.values()))
+        if first["left"] == len(deferred.TRIAL) - 1:  # a new trial (a new shape, a restart)
+            self.split_tried, self.split = {}, None
+        self.split_tried.setdefault(first["mode"], []).append(wall)
+        if first["left"] == 0:
+            self.split = deferred.choose_split(self.split_tried)
+            own, theirs = min(self.split_tried["own"]), min(self.split_tried["torch"])
+            chunks = {w: t["chunks"] for w, t in trials.items()}
+            self.record.event("weight_split", weight_split_message(self.split, own, theirs, trials), step=step + 1,
+                              kept=self.split, own_s=round(own, 4), torch_s=round(theirs, 4), chunks=chunks,
+                              cover={w: t["cover"] for w, t in trials.items()})
 
     def _may_queue(self, step: int) -> bool:
         """Send step ``step`` before the step before it has ended?  On a fixed-shape job, when
@@ -350,6 +372,7 @@ class JobController:
         if self.restarted_at is not None:  # the first step after a restart: from the loss to this commit
             row["recovery_s"], self.restarted_at = time.time() - self.restarted_at, None
         rec.check_finite(row)
+        self._split_trial(step, stats, wall)
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:
             self._reshaped(step + 1)

@@ -188,6 +188,22 @@ def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = F
     return float(schedules.simulate(schedules.sends_early(plan) if early else plan).bubble)
 
 
+def weight_split_message(kept: str, own: float, theirs: float, trials: dict) -> str:
+    """The ``weight_split`` event's text: which split of the backward the model chunks that tried
+    both keep (``trials``: worker -> its ``split_trial`` report; ``own``, ``theirs``: the fastest
+    step with each, s; actors/controller.py ``_split_trial``)."""
+    parts = [f"{w} chunk {c} (its Linears hold {share:.0%} of its weight-gradient work)"
+             for w, t in trials.items() for c, share in zip(t["chunks"], t["cover"])]
+    keeps = "keeps" if len(parts) == 1 else "keep"
+    if kept == "torch":
+        how = (f"{keeps} torch's split of the backward, every weight gradient in W: the fastest step took "
+               f"{theirs * 1e3:.1f} ms so, {own * 1e3:.1f} ms with only the Linears' weight products in W")
+    else:
+        how = (f"{keeps} the Linears' own weight products in W and the other weight gradients in B: the fastest "
+               f"step took {own * 1e3:.1f} ms so, {theirs * 1e3:.1f} ms with torch's split (every weight gradient in W)")
+    return f"after trying both splits of the backward, {', '.join(parts)} {how}"
+
+
 def sends_early(stats: dict) -> bool:
     """Did every worker's backward send its input gradient before its weight gradients (all
     their chunks' weights in plain Linear layers, a schedule without W)?"""

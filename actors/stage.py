@@ -304,9 +304,17 @@ class StepRunner:
             if own_grads and deferred.install(part, self.pending):
                 self.deferred.add(vs)
         # split schedules: the first step counts the rows each module of a deferred chunk sees,
-        # after which _keep_split_whole weighs what the Linears' own products leave for W
-        self.checked_cover = not cell.split or not self.deferred
+        # after which _keep_split_whole weighs what the Linears' own products leave for W, and
+        # the chunks where that is too little try both splits (deferred.TRIAL)
+        # (a chunk with weights but no plain Linear tries both too: "own" is then its whole backward
+        # in B; the first chunk has no input gradient, so its whole backward is its W, unless W's are grouped)
+        self.splittable = {vs for vs in self.parts if own_grads and self.params[vs] and (vs > 0 or cell.weight_group > 1)
+                           } if cell.split else set()
+        self.checked_cover = not self.splittable
         self.rows: dict = {}
+        self.trial: list = []  # the modes still to try, in order
+        self.trying: dict = {}  # the chunks under trial -> the share of their weight-gradient work the Linears hold
+        self.awaiting = False  # the trial ended; the scheduler's choice has not come yet
         if not self.checked_cover:
             for vs in self.deferred:
                 deferred.count_rows(self.parts[vs], self.rows)
@@ -330,11 +338,21 @@ class StepRunner:
         self.blocks = self._blocks()  # the step's actions as they run (the cell's list is fixed)
 
     def run(self, step: int, xs: Optional[list], ys: Optional[list], aborted: Callable[[], bool],
-            counted: Optional[int] = None) -> dict:
+            counted: Optional[int] = None, split: Optional[str] = None) -> dict:
         """``counted``: the step's counted targets when the loss is a mean over them
-        (service/loading.py ``counted_targets``); None: each microbatch's mean scaled by mbs / B."""
+        (service/loading.py ``counted_targets``); None: each microbatch's mean scaled by mbs / B.
+        ``split``: how the chunks that tried both splits of the backward split it from now on
+        ("own" or "torch", chosen by the scheduler from the trial's step times; ``_keep_split_whole``)."""
         self.counted = counted
         c, tr, reduce = self.cell, self.tr, self.reduce
+        trial = None
+        if self.trial:
+            trial = {"mode": self.trial.pop(0), "left": len(self.trial), "chunks": sorted(self.trying),
+                     "cover": [round(self.trying[vs], 3) for vs in sorted(self.trying)]}
+            self._split_mode(trial["mode"])
+        elif self.awaiting and split is not None:
+            self._split_mode(split)
+            self.awaiting = False
         t_begin = time.time()
         with talking_to_peers(f"starting step {step + 1}"):
             tr.begin_step(step, c.receives)
@@ -360,6 +378,9 @@ class StepRunner:
         with talking_to_peers(f"finishing the sends of step {step + 1}"):
             tr.finish_step()
         t_pipe = time.time()
+        if trial is not None and not self.trial:  # its last step: torch's split until the choice comes
+            self._split_mode("torch")
+            self.awaiting = True
         if not self.checked_cover:
             self._keep_split_whole()
         if self.tp is not None:
@@ -382,22 +403,38 @@ class StepRunner:
                 "loss": float(p.loss_sum) if c.last and c.tp_rank == 0 else None,  # a TP group's ranks agree
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
-                "grad_sq": grad_sq, "grad_norm": total, "received": p.received, "sends_early": self.sends_early}
+                "grad_sq": grad_sq, "grad_norm": total, "received": p.received, "sends_early": self.sends_early,
+                **({"split_trial": trial} if trial else {})}
 
     def _keep_split_whole(self) -> None:
         """After the first step of a split schedule: a chunk whose Linears that ran hold less than
         ``deferred.LINEAR_COVER`` of its weight-gradient work (``deferred.covered``: a layer that
         keeps an ``nn.Linear`` for its weight and calls ``F.linear`` itself, convolutions before
-        a Linear head that has most of the weights but little of the work) goes back to torch's
-        split, where every weight gradient waits for W; with the Linears' own products only,
-        the others' would be computed in B, and the schedule would lose its split there."""
+        a Linear head that has most of the weights but little of the work) has two ways to split
+        its backward: torch's, where every weight gradient waits for W at the cost of more
+        compute, and the Linears' own products, with the other weight gradients in B.  Such
+        chunks try both in the next steps (``deferred.TRIAL``, reported as ``split_trial`` with
+        each step); the scheduler times the steps and sends its choice (``run``'s ``split``)."""
         self.checked_cover = True
+        cover = {vs: 0.0 for vs in self.splittable}  # no plain Linear ran: nothing for W but torch's split
         for vs in sorted(self.deferred):
             deferred.forget_rows(self.parts[vs])
-            if deferred.covered(self.parts[vs], self.rows) < deferred.LINEAR_COVER:
+            cover[vs] = deferred.covered(self.parts[vs], self.rows)
+        self.rows = {}
+        self.trying = {vs: cover[vs] for vs in sorted(self.splittable) if cover[vs] < deferred.LINEAR_COVER}
+        self._split_mode("torch")
+        self.trial = list(deferred.TRIAL) if self.trying else []
+
+    def _split_mode(self, mode: str) -> None:
+        """The chunks under trial split their backward torch's way ("torch") or with the Linears'
+        own products ("own": in a chunk with no plain Linear, its whole backward in B)."""
+        for vs in self.trying:
+            if mode == "own" and vs not in self.deferred:
+                deferred.install(self.parts[vs], self.pending)  # (none, where it holds no plain Linear)
+                self.deferred.add(vs)
+            elif mode == "torch" and vs in self.deferred:
                 deferred.uninstall(self.parts[vs])
                 self.deferred.discard(vs)
-        self.rows = {}
 
     def _blocks(self) -> list:
         """The step's actions as they run: one at a time, or with global BatchNorm each run of

@@ -542,9 +542,11 @@ class StageWorker:
         """``counted_targets`` of samples ``idx``, read from the data only for the loss that uses it."""
         return counted_targets(self.spec, samples.targets(idx)) if self.spec.loss == "cross_entropy" else None
 
-    def run_step(self, step: int) -> dict:
+    def run_step(self, step: int, split: Optional[str] = None) -> dict:
         """Run this worker's actions for ``step`` (0-based; steps before it are committed),
         all-reduce the gradients, and leave the update pending until step is committed.
+        ``split``: the scheduler's choice after a trial of the backward's two splits
+        (actors/stage.py ``StepRunner.run``).
 
         The call for a step may come while the step before still runs (a fixed-shape job's
         scheduler sends it early, actors/controller.py ``_may_queue``): its coming is that
@@ -560,7 +562,7 @@ class StageWorker:
                 self._turn.wait(0.5)
             # queued in the order the calls came: each step right behind the one before
             batch: Future = Future()
-            done = self._compute.submit(self._run_step, step, called, batch)
+            done = self._compute.submit(self._run_step, step, called, batch, split)
             self._started = step
             self._turn.notify_all()
         # the step's microbatches are built here, on this call's thread, while the step before
@@ -573,7 +575,7 @@ class StageWorker:
             batch.set_exception(e)
         return done.result()
 
-    def _run_step(self, step: int, called: float, batch: Future) -> dict:
+    def _run_step(self, step: int, called: float, batch: Future, split: Optional[str] = None) -> dict:
         with self._lock:
             self._settle(step)
             if self.applied != step:
@@ -586,7 +588,8 @@ class StageWorker:
             if self.tp is not None:
                 CollectiveBytes.take()
             counted = self._counted(step, ys) if self.cell.last else None
-            result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None, counted=counted)
+            result = self.runner.run(step, xs, ys, aborted=lambda: self._aborted is not None, counted=counted,
+                                     split=split)
             if self.tp is not None:  # what the layers' collectives moved this step (this rank's payload)
                 result["tp_bytes"], result["tp_collectives"] = CollectiveBytes.take()
             self.update = step_update(self.spec, result["grad_norm"])

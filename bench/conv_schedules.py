@@ -1,14 +1,16 @@
-"""A CNN on 2 workers: 1F1B against ZB-H1 where the split's weight gradients are torch's.
+"""A CNN on 2 workers: 1F1B against ZB-H1, which chooses how the CNN's chunks split.
 
 Each worker's chunk holds convolutions and a Linear that has most of its weights but little of
-its weight-gradient work, so a split schedule runs torch's ``stage_backward_input`` /
-``stage_backward_weight`` there (``actors/deferred.covered``), which costs more compute than the
-whole backward on a CPU (bench/split_backward.py), while 1F1B keeps the whole backward with the
-Linears' own products and sends each input gradient early.  Real compute, one thread per worker,
+its weight-gradient work (``actors/deferred.covered``), so a split schedule tries both splits of
+its backward in steps 2-5: torch's ``stage_backward_input`` / ``stage_backward_weight`` (every
+weight gradient in W, at more compute than the whole backward on a CPU: bench/split_backward.py)
+and the Linears' own products (the convolutions' gradients in B), and keeps the faster from
+step 7 on (``deferred.choose_split``; the table says which).  1F1B keeps the whole backward with
+the Linears' own products and sends each input gradient early.  Steps from the 8th are timed.  Real compute, one thread per worker,
 digits data through Linear(64, 2048) into 8 x 16 x 16 images, four Conv2d(., 32, 3), a Linear head
 8192 -> 128 -> 10; p = 2, M = 8; the schedules alternate round by round; median step of each.
 
-    .venv/bin/python bench/conv_schedules.py [--mbs 16 32] [--rounds 3] [--steps 12]
+    .venv/bin/python bench/conv_schedules.py [--mbs 16 32 64] [--rounds 3] [--steps 17]
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ def build(channels=32, classes=10):
         nn.Flatten(), nn.Linear(c * 256, 128), nn.ReLU(), nn.Linear(128, classes))
 '''
 
+SETTLED = 7  # the first step, the trial of the two splits (4), the step sent before the choice, one more
 RUNS = {"1F1B": ("1f1b", 1), "ZB-H1": ("zb_h1", 1), "ZB-H1 W xM": ("zb_h1", 0)}
 
 
@@ -55,10 +58,10 @@ def spec(name: str, m: int, mbs: int, steps: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mbs", type=int, nargs="+", default=[16, 32])
+    ap.add_argument("--mbs", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=17)
     args = ap.parse_args()
 
     import ray
@@ -70,17 +73,19 @@ def main() -> None:
     ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
     lines = [f"CNN on p = 2, M = {args.m}, median step (ms) over {args.rounds} alternated rounds of "
-             f"{args.steps - 2} timed steps, measured bubble median; {time.strftime('%Y-%m-%d %H:%M')}", "",
-             "| rows | schedule | step (ms) | vs 1F1B | measured bubble |", "|---|---|---|---|---|"]
+             f"{args.steps - SETTLED} timed steps, measured bubble median; {time.strftime('%Y-%m-%d %H:%M')}", "",
+             "| rows | schedule | step (ms) | vs 1F1B | measured bubble | split kept (rounds) |", "|---|---|---|---|---|---|"]
     for mbs in args.mbs:
         steps: dict = {k: [] for k in RUNS}
         bubbles: dict = {k: [] for k in RUNS}
+        kept: dict = {k: [] for k in RUNS}
         for r in range(args.rounds):
             names = list(RUNS)[r % len(RUNS):] + list(RUNS)[:r % len(RUNS)]  # the order rotates
             for name in names:
                 final = run_job(spec=spec(name, args.m, mbs, args.steps), spec_dir=folder,
                                 out=tempfile.mkdtemp(), progress=False, record=False)
-                timed = final["metrics"][2:]
+                timed = final["metrics"][SETTLED:]
+                kept[name] += [e["kept"] for e in final["events"] if e["type"] == "weight_split"]
                 steps[name] += [x["step_time_s"] for x in timed]
                 bubbles[name] += [x["bubble"] for x in timed]
                 print(f"rows {mbs} round {r + 1} {name}: {statistics.median(x['step_time_s'] for x in timed) * 1e3:.0f} ms",
@@ -88,7 +93,7 @@ def main() -> None:
         base = statistics.median(steps["1F1B"])
         for name in RUNS:
             med = statistics.median(steps[name])
-            lines.append(f"| {mbs} | {name} | {med * 1e3:.0f} | {base / med:.2f}x | {statistics.median(bubbles[name]):.1%} |")
+            lines.append(f"| {mbs} | {name} | {med * 1e3:.0f} | {base / med:.2f}x | {statistics.median(bubbles[name]):.1%} | {', '.join(kept[name]) or '-'} |")
     ray.shutdown()
     text = "\n".join(lines)
     print(text)

@@ -11,6 +11,7 @@ import json
 import pytest
 import torch
 
+from actors import deferred
 from actors.runner import run_job
 from service import checkpoint, schedules, timeline
 from service.spec import SpecError, parse_spec
@@ -112,52 +113,84 @@ def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, s
     assert f'data-weight-group="{group}"' in timeline.render_svg(view)  # the web page's tooltip reads it
 
 
+TRIED = 1 + len(deferred.TRIAL)  # the steps a split schedule takes to choose how each chunk splits
+# (the choice goes with the next step call; the call of step TRIED + 1 was sent while step TRIED ran)
+
+
+def _split_job(tmp_path, builder: str, args: dict, partition: list) -> tuple:
+    """A zb_h1 job on 1 x 2 with ``builder``'s model, run until its choice after the trial of the
+    two splits is in force: its last step's timeline lane of worker w0.1, its ``weight_split`` events, and the spec; the
+    numbers equal one process's."""
+    d = spec_of(1, 2, "zb_h1", "collective", steps=TRIED + 2, parallelism={"partition": partition}).model_dump(mode="json")
+    d.update(model={"builder": builder, "args": args}, data={"kind": "digits"}, loss="cross_entropy")
+    spec = parse_spec(d)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    tl = final["timelines"][-1]
+    assert tl["step"] == TRIED + 2
+    events = [e for e in final["events"] if e["type"] == "weight_split"]
+    return tl["workers"]["w0.1"], events, spec
+
+
+def _boxes(lane: list) -> tuple:
+    ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
+    bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
+    return ws, bs
+
+
 def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, tmp_path):
     """A layer that keeps an nn.Linear for its parameters and calls F.linear itself: its chunk
     holds Linears whose forward never runs, so the workers' own Linear products cannot be its
-    W.  From the second step its weight gradients wait for W all the same (torch's split), as
-    they did before the workers computed Linear products themselves: each W takes the layers'
-    weight-gradient time, each B none of it; the numbers are one process's."""
+    W.  The job tries both splits of the backward in its first steps and keeps torch's, where its
+    weight gradients wait for W and fill the bubble: after the trial each W takes the layers'
+    weight-gradient time, each B none of it, and an event says so with both timings; the
+    numbers are one process's."""
     ms, layers = 10.0, 4
-    d = spec_of(1, 2, "zb_h1", "collective", steps=3, parallelism={"partition": [3, 3]}).model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": layers, "weight_grad_ms": ms}},
-             data={"kind": "digits"}, loss="cross_entropy")
-    spec = parse_spec(d)
-    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    lane, events, spec = _split_job(tmp_path, "userpkg.models:functional_linears",
+                                    {"layers": layers, "weight_grad_ms": ms}, [3, 3])
     per_stage = layers // 2 * ms / 1e3  # the weight-gradient time of each worker's FunctionalLinears
-    tl = final["timelines"][-1]
-    assert tl["step"] == 3
-    for lane in tl["workers"].values():
-        ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
-        bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
-        assert len(ws) == len(bs) == spec.microbatches
-        assert min(ws) >= 0.9 * per_stage and max(bs) < 0.5 * per_stage, (ws, bs)
+    ws, bs = _boxes(lane)
+    assert len(ws) == len(bs) == spec.microbatches
+    assert min(ws) >= 0.9 * per_stage and max(bs) < 0.5 * per_stage, (ws, bs)
+    [e] = events
+    assert e["kept"] == "torch" and e["chunks"] == {"w0.1": [1]} and e["step"] == TRIED, e
+    assert e["torch_s"] < e["own_s"]
+    assert e["message"].startswith("after trying both splits of the backward, w0.1 chunk 1 (its Linears hold ")
+    assert "keeps torch's split of the backward, every weight gradient in W: the fastest step took" in e["message"]
 
 
 def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ray_session, tmp_path):
-    """Two Conv2d layers and a Linear head on the last worker: the head holds 93% of the chunk's
-    weights but a fifth of its weight-gradient work (a kernel is applied at every position of
-    the image).  The convolutions' weight gradients wait for W (torch's split from the second
-    step): each W takes their time, each B none of it; the numbers are one process's.  (Weighed
-    by weight elements, the chunk kept the Linears' own products as its W, and each B took the
-    convolutions' 20 ms.)"""
+    """Two Conv2d layers and a Linear head, a conv on each worker: the head holds 93% of the last
+    chunk's weights but a fifth of its weight-gradient work (a kernel is applied at every
+    position of the image).  The convolutions' gradients take 10 ms of device time each; left in
+    B, the stage before waits for them.  The job tries both splits and keeps torch's: each W
+    takes the convolution's time, each B none of it; the numbers are one process's.  (Weighed by
+    weight elements, the chunk kept the Linears' own products as its W, and each B took the
+    convolution's 10 ms.)"""
     ms = 10.0
-    d = spec_of(1, 2, "zb_h1", "collective", steps=3, parallelism={"partition": [1, 9]}).model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:convs_and_a_linear_head", "args": {"weight_grad_ms": ms}},
-             data={"kind": "digits"}, loss="cross_entropy")
-    spec = parse_spec(d)
-    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
-    tl = final["timelines"][-1]
-    assert tl["step"] == 3
-    lane = tl["workers"]["w0.1"]
-    ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
-    bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
+    lane, events, spec = _split_job(tmp_path, "userpkg.models:convs_and_a_linear_head", {"weight_grad_ms": ms}, [3, 7])
+    ws, bs = _boxes(lane)
     assert len(ws) == len(bs) == spec.microbatches
-    assert min(ws) >= 0.9 * 2 * ms / 1e3 and max(bs) < ms / 1e3, (ws, bs)
+    assert min(ws) >= 0.9 * ms / 1e3 and max(bs) < 0.5 * ms / 1e3, (ws, bs)
+    [e] = events
+    assert e["kept"] == "torch" and 0.1 < e["cover"]["w0.1"][0] < 0.3, e
+
+
+def test_a_chunk_whose_split_costs_more_than_it_fills_keeps_its_whole_backward(ray_session, tmp_path):
+    """Convolutions whose backward takes 10 ms per pass (on a CPU, torch's split of a
+    convolution costs more than one whole backward): split in two, each pays twice, more than
+    the bubble the split would fill.  The job tries both and keeps the Linears' own products,
+    with the convolution's gradients in B: after the trial each B takes one pass, each W none;
+    the numbers are one process's."""
+    ms = 10.0
+    lane, events, spec = _split_job(tmp_path, "userpkg.models:paced_convs", {"backward_ms": ms}, [3, 7])
+    ws, bs = _boxes(lane)
+    assert len(ws) == len(bs) == spec.microbatches
+    assert min(bs) >= 0.9 * ms / 1e3 and max(ws) < 0.5 * ms / 1e3, (ws, bs)
+    [e] = events
+    assert e["kept"] == "own" and e["own_s"] < 0.98 * e["torch_s"], e
+    assert "keeps the Linears' own weight products in W and the other weight gradients in B" in e["message"]
 
 
 def test_a_resume_in_another_shape_and_schedule_ends_where_one_run_ends(ray_session, tmp_path):
