@@ -16,7 +16,11 @@ The same paced model also runs in this process, one thread, accumulating the M m
 (the plain PyTorch loop): the pipeline efficiency is (that step / p) / the schedule's step, as
 in bench/peers.py, here without the contention of real compute.
 
-    .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 8]
+The paced layers call ``F.linear`` themselves, so a split schedule's chunks try both splits of
+the backward in steps 2-5 and keep the faster from step 7 (README, "Which split a chunk keeps");
+steps from the 8th are timed, and the table says which split was kept.
+
+    .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 14]
 
 Writes bench/results/schedules_paced.{json,txt}.
 """
@@ -36,6 +40,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
+SETTLED = 7  # the first step, the trial of the two splits (4), the step sent before the choice, one more
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 PACED = '''"""Paced linear layers: simulated device time in forward, input gradient and weight gradient."""
@@ -136,7 +141,7 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--pps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mbs", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     args = ap.parse_args()
 
@@ -161,33 +166,34 @@ def main() -> None:
             for sch in args.schedules:
                 s = spec(folder, sch, pp, m, args.mbs, args.steps, layers)
                 final = run_job(spec=s, spec_dir=folder, out=tempfile.mkdtemp(), progress=False, record=False)
-                timed = final["metrics"][2:]  # the first steps warm up
+                timed = final["metrics"][SETTLED:]  # the first steps warm up and try the splits
+                kept = [e["kept"] for e in final["events"] if e["type"] == "weight_split"]
                 v = s.parallelism.chunks
                 plan = float(schedules.simulate(schedules.build(sch, pp, m, v), 1, 1).bubble)
                 step_s = statistics.median(r["step_time_s"] for r in timed)
                 row = {"schedule": sch, "pp": pp, "M": m, "chunks": v, "mbs": args.mbs,
                        "step_s": step_s, "efficiency": single / pp / step_s,
                        "bubble": statistics.median(r["bubble"] for r in timed), "bubble_plan": plan,
-                       "steps": [r["step_time_s"] for r in timed]}
+                       "steps": [r["step_time_s"] for r in timed], "split_kept": kept[-1] if kept else None}
                 rows.append(row)
                 print(f"p={pp} M={m:2d} {LABEL[sch]:22s} step {row['step_s'] * 1e3:7.1f} ms  bubble "
                       f"{row['bubble']:.1%} (plan {plan:.1%})  efficiency {row['efficiency']:.2f}", flush=True)
     facts = machine()
     ray.shutdown()
     lines = [f"Paced layers: {4} per worker, forward, input gradient and weight gradient "
-             f"0.25 ms per sample each, microbatches of {args.mbs}; median of {args.steps - 2} steps; "
+             f"0.25 ms per sample each, microbatches of {args.mbs}; median of {args.steps - SETTLED} steps; "
              f"collective transport; {time.strftime('%Y-%m-%d')}", "",
              "| p | M | schedule | step (ms) | vs 1F1B | measured bubble | plan bubble (F = B = W) "
-             "| efficiency (one process / p / step) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| efficiency (one process / p / step) | split kept |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["schedule"] == "one process":
-            lines.append(f"| {r['pp']} | {r['M']} | one process, one thread | {r['step_s'] * 1e3:.0f} | | | | |")
+            lines.append(f"| {r['pp']} | {r['M']} | one process, one thread | {r['step_s'] * 1e3:.0f} | | | | | |")
             continue
         base = next(x for x in rows if x["pp"] == r["pp"] and x["M"] == r["M"] and x["schedule"] == "1f1b")
         lines.append(f"| {r['pp']} | {r['M']} | {LABEL[r['schedule']]} | {r['step_s'] * 1e3:.0f} | "
                      f"{base['step_s'] / r['step_s']:.2f}x | {r['bubble']:.1%} | {r['bubble_plan']:.1%} "
-                     f"| {r['efficiency']:.2f} |")
+                     f"| {r['efficiency']:.2f} | {r.get('split_kept') or '-'} |")
     text = "\n".join(lines)
     print(text)
     out = BENCH / "results"
