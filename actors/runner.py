@@ -106,8 +106,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                 final = _follow(sched, sched.run.remote(), outputs, seen)
                 break
             except ray.exceptions.RayActorError:  # the scheduler was lost: restart it, or say why not
-                resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen.committed, outputs, store,
-                                            job_id)
+                resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen, outputs, store, job_id)
                 rerun_through, used = seen.committed, used + 1
                 launch.wait_actors_gone(job_id, timeout=30.0)
                 launch.release_placement_group(job_id)
@@ -134,10 +133,12 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             ray.shutdown()
 
 
-def _restart_from(spec: JobSpec, root: Optional[str], used: int, committed: int, outputs: "_Outputs", store,
+def _restart_from(spec: JobSpec, root: Optional[str], used: int, seen: "_Seen", outputs: "_Outputs", store,
                   job_id: str) -> str:
     """The checkpoint a job whose scheduler was lost restarts from (a ``restarted`` event says
-    so); raises :class:`JobFailed` when it does not restart (service/restarts.py)."""
+    so, in the files, the store and the run's report); raises :class:`JobFailed` when it does
+    not restart (service/restarts.py)."""
+    committed = seen.committed
     reason = "the job's scheduler actor was lost (killed, out of memory, or its node went)"
     d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason)
     if not d.restart:
@@ -147,10 +148,11 @@ def _restart_from(spec: JobSpec, root: Optional[str], used: int, committed: int,
             store.add_events(job_id, [row])
         outputs.event("failed", d.message)
         raise JobFailed(d.message)
-    fields = {**d.fields, "checkpoint": str(newest)}
-    outputs.event("restarted", d.message, **fields)
+    row = {"time": time.time(), "type": "restarted", "message": d.message, **d.fields, "checkpoint": str(newest)}
+    outputs.write(outputs.events, [row])
+    seen.ours.append(row)
     if store:
-        store.add_events(job_id, [{"type": "restarted", "message": d.message, **fields}])
+        store.add_events(job_id, [row])
     print(f"relaytrain: {d.message}", file=sys.stderr)
     return str(newest)
 
@@ -176,7 +178,8 @@ class _Seen:
     progress bar."""
 
     def __init__(self, spec: JobSpec, progress: bool):
-        self.events: list[dict] = []
+        self.events: list[dict] = []  # the schedulers'
+        self.ours: list[dict] = []    # this command's own (a restart of a lost scheduler)
         self.metrics: list[dict] = []
         self.committed = 0   # the most steps ever committed
         self.bar = None
@@ -237,7 +240,7 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
         e_seen += len(snap["events"])
         if finished:
             final = ray.get(done_ref)  # the report, with the newest steps' timelines
-            final.update(metrics=seen.metrics, events=seen.events)
+            final.update(metrics=seen.metrics, events=sorted(seen.events + seen.ours, key=lambda e: e["time"]))
             return final
 
 

@@ -278,6 +278,7 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     events = [json.loads(x) for x in open(events_file)]
     k = [e["type"] for e in events]
     assert k.count("restarted") == 1 and "checkpoint_failed" in k
+    assert [e["type"] for e in out["r"]["events"]].count("restarted") == 1  # the run's report has it too
     assert "checkpoint" in k[k.index("checkpoint_failed"):]  # written again once the bucket is back
     assert all("training goes on" in f["message"] for f in failures()), failures()
     assert without_bucket(), failures()
