@@ -133,9 +133,11 @@ def _split_job(tmp_path, builder: str, args: dict, partition: list) -> tuple:
     return tl["workers"]["w0.1"], events, spec
 
 
-def _boxes(lane: list) -> tuple:
+def _boxes(lane: list, m: int) -> tuple:
+    """The lengths of the lane's W boxes and of its B boxes (one of each per microbatch)."""
     ws = [t1 - t0 for a, t0, t1 in lane if a[1] == "W"]
     bs = [t1 - t0 for a, t0, t1 in lane if a[1] == "B"]
+    assert len(ws) == len(bs) == m
     return ws, bs
 
 
@@ -150,8 +152,7 @@ def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, t
     lane, events, spec = _split_job(tmp_path, "userpkg.models:functional_linears",
                                     {"layers": layers, "weight_grad_ms": ms}, [3, 3])
     per_stage = layers // 2 * ms / 1e3  # the weight-gradient time of each worker's FunctionalLinears
-    ws, bs = _boxes(lane)
-    assert len(ws) == len(bs) == spec.microbatches
+    ws, bs = _boxes(lane, spec.microbatches)
     assert min(ws) >= 0.9 * per_stage and max(bs) < 0.5 * per_stage, (ws, bs)
     [e] = events
     assert e["kept"] == "torch" and e["chunks"] == {"w0.1": [1]} and e["step"] == TRIED, e
@@ -170,8 +171,7 @@ def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ra
     convolution's 10 ms.)"""
     ms = 10.0
     lane, events, spec = _split_job(tmp_path, "userpkg.models:convs_and_a_linear_head", {"weight_grad_ms": ms}, [3, 7])
-    ws, bs = _boxes(lane)
-    assert len(ws) == len(bs) == spec.microbatches
+    ws, bs = _boxes(lane, spec.microbatches)
     assert min(ws) >= 0.9 * ms / 1e3 and max(bs) < 0.5 * ms / 1e3, (ws, bs)
     [e] = events
     assert e["kept"] == "torch" and 0.1 < e["cover"]["w0.1"][0] < 0.3, e
@@ -185,8 +185,7 @@ def test_a_chunk_whose_split_costs_more_than_it_fills_keeps_its_whole_backward(r
     the numbers are one process's."""
     ms = 10.0
     lane, events, spec = _split_job(tmp_path, "userpkg.models:paced_convs", {"backward_ms": ms}, [3, 7])
-    ws, bs = _boxes(lane)
-    assert len(ws) == len(bs) == spec.microbatches
+    ws, bs = _boxes(lane, spec.microbatches)
     assert min(bs) >= 0.9 * ms / 1e3 and max(ws) < 0.5 * ms / 1e3, (ws, bs)
     [e] = events
     assert e["kept"] == "own" and e["own_s"] < 0.98 * e["torch_s"], e
