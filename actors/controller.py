@@ -12,7 +12,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from actors import deferred, evaluation, layerfacts
+from actors import evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
 from actors.failures import JobCancelled, JobFailure, LostWorkerFailure, WorkerLost, cell_name
 from actors.jobstates import (Cancelled, Failed, Finishing, Preempted, Reshaping, Restarting, Running, Starting, State,
@@ -22,7 +22,7 @@ from actors.reshape import Move, Reshaped, Reshaper
 from actors.statekeeper import StateKeeper
 from actors.workergroup import WorkerGroup
 from service import elastic_policy as policy
-from service import checkpoint, partition, planner
+from service import checkpoint, partition, planner, schedules
 from service.recipe import lr_at
 from service.spec import JobSpec, SpecError
 
@@ -274,17 +274,17 @@ class JobController:
     def _split_trial(self, step: int, stats: dict, wall: float) -> None:
         """The steps of a trial of the backward's two splits (actors/stage.py ``_keep_split_whole``:
         chunks whose Linears hold too little of their weight-gradient work): each step's time
-        counts for the split it ran; after the last, the faster is chosen (``deferred.choose_split``),
+        counts for the split it ran; after the last, the faster is chosen (``schedules.choose_split``),
         sent with every later step call, and a ``weight_split`` event says which and why."""
         trials = {f"w{r}.{s}": st.pop("split_trial") for (r, s), st in sorted(stats.items()) if st.get("split_trial")}
         if not trials:
             return
         first = next(iter(trials.values()))
-        if first["left"] == len(deferred.TRIAL) - 1:  # a new trial (a new shape, a restart)
+        if first["left"] == len(schedules.SPLIT_TRIAL) - 1:  # a new trial (a new shape, a restart)
             self.split_tried, self.split = {}, None
         self.split_tried.setdefault(first["mode"], []).append(wall)
         if first["left"] == 0:
-            self.split = deferred.choose_split(self.split_tried)
+            self.split = schedules.choose_split(self.split_tried)
             own, theirs = min(self.split_tried["own"]), min(self.split_tried["torch"])
             chunks = {w: t["chunks"] for w, t in trials.items()}
             self.record.event("weight_split", weight_split_message(self.split, own, theirs, trials), step=step + 1,

@@ -158,21 +158,7 @@ def install(part: nn.Module, pending: Pending) -> int:
 # stage_backward_input / stage_backward_weight, where every weight gradient waits for W
 LINEAR_COVER = 0.9
 
-# a chunk under LINEAR_COVER has two ways to split: torch's (all its weight gradients wait for W,
-# at the cost of a second pass through the graph: 12-31 % more compute for convolutions on a CPU,
-# bench/split_backward.py) or the Linears' own products (no extra compute, the rest of its weight
-# gradients in B).  Which makes the faster step depends on the device and on how much bubble
-# the split fills, so the steps after the first try both, in this order (torch's first: its
-# first step pays a one-time start-up; drift in the machine's speed weighs on both alike)
-TRIAL = ("torch", "own", "own", "torch")
-OWN_MARGIN = 0.02
-
-
-def choose_split(tried: dict) -> str:
-    """The split the chunks under trial keep, from the trial's step times (``tried``: mode ->
-    seconds of each step): the one whose fastest step was faster; the own products must win by
-    ``OWN_MARGIN``, or the split the schedule means (torch's, every weight gradient in W) stays."""
-    return "own" if min(tried["own"]) < (1.0 - OWN_MARGIN) * min(tried["torch"]) else "torch"
+# (a chunk under LINEAR_COVER tries both splits of its backward: service/schedules.py SPLIT_TRIAL)
 
 
 def _rows_hook(rows: dict):

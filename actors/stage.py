@@ -305,7 +305,7 @@ class StepRunner:
                 self.deferred.add(vs)
         # split schedules: the first step counts the rows each module of a deferred chunk sees,
         # after which _keep_split_whole weighs what the Linears' own products leave for W, and
-        # the chunks where that is too little try both splits (deferred.TRIAL)
+        # the chunks where that is too little try both splits (service/schedules.py SPLIT_TRIAL)
         # (a chunk with weights but no plain Linear tries both too: "own" is then its whole backward
         # in B; the first chunk has no input gradient, so its whole backward is its W, unless W's are grouped)
         self.splittable = {vs for vs in self.parts if own_grads and self.params[vs] and (vs > 0 or cell.weight_group > 1)
@@ -413,7 +413,7 @@ class StepRunner:
         a Linear head that has most of the weights but little of the work) has two ways to split
         its backward: torch's, where every weight gradient waits for W at the cost of more
         compute, and the Linears' own products, with the other weight gradients in B.  Such
-        chunks try both in the next steps (``deferred.TRIAL``, reported as ``split_trial`` with
+        chunks try both in the next steps (``schedules.SPLIT_TRIAL``, reported as ``split_trial`` with
         each step); the scheduler times the steps and sends its choice (``run``'s ``split``)."""
         self.checked_cover = True
         cover = {vs: 0.0 for vs in self.splittable}  # no plain Linear ran: nothing for W but torch's split
@@ -423,7 +423,7 @@ class StepRunner:
         self.rows = {}
         self.trying = {vs: cover[vs] for vs in sorted(self.splittable) if cover[vs] < deferred.LINEAR_COVER}
         self._split_mode("torch")
-        self.trial = list(deferred.TRIAL) if self.trying else []
+        self.trial = list(schedules.SPLIT_TRIAL) if self.trying else []
 
     def _split_mode(self, mode: str) -> None:
         """The chunks under trial split their backward torch's way ("torch") or with the Linears'

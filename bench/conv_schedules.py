@@ -5,7 +5,7 @@ its weight-gradient work (``actors/deferred.covered``), so a split schedule trie
 its backward in steps 2-5: torch's ``stage_backward_input`` / ``stage_backward_weight`` (every
 weight gradient in W, at more compute than the whole backward on a CPU: bench/split_backward.py)
 and the Linears' own products (the convolutions' gradients in B), and keeps the faster from
-step 7 on (``deferred.choose_split``; the table says which).  1F1B keeps the whole backward with
+step 7 on (``service/schedules.choose_split``; the table says which).  1F1B keeps the whole backward with
 the Linears' own products and sends each input gradient early.  Steps from the 8th are timed.  Real compute, one thread per worker,
 digits data through Linear(64, 2048) into 8 x 16 x 16 images, four Conv2d(., 32, 3), a Linear head
 8192 -> 128 -> 10; p = 2, M = 8; the schedules alternate round by round; median step of each.

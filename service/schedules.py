@@ -352,6 +352,24 @@ def sends_early(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.stages, schedule.microbatches, order, schedule.chunks)
 
 
+# a chunk of a split schedule whose Linears hold too little of its weight-gradient work
+# (actors/deferred.py LINEAR_COVER) has two ways to split its backward: torch's (all its weight gradients wait for W,
+# at the cost of a second pass through the graph: 12-31 % more compute for convolutions on a CPU,
+# bench/split_backward.py) or the Linears' own products (no extra compute, the rest of its weight
+# gradients in B).  Which makes the faster step depends on the device and on how much bubble
+# the split fills, so the steps after the first try both, in this order (torch's first: its
+# first step pays a one-time start-up; drift in the machine's speed weighs on both alike)
+SPLIT_TRIAL = ("torch", "own", "own", "torch")
+OWN_SPLIT_MARGIN = 0.02
+
+
+def choose_split(tried: dict) -> str:
+    """The split the chunks under trial keep, from the trial's step times (``tried``: mode ->
+    seconds of each step): the one whose fastest step was faster; the own products must win by
+    ``OWN_SPLIT_MARGIN``, or the split the schedule means (torch's, every weight gradient in W) stays."""
+    return "own" if min(tried["own"]) < (1.0 - OWN_SPLIT_MARGIN) * min(tried["torch"]) else "torch"
+
+
 def _check_sizes(stages: int, microbatches: int) -> None:
     if stages < 1:
         raise ValueError(f"a schedule needs at least 1 stage, got {stages}")

@@ -283,23 +283,3 @@ def test_coverage_of_transformers_blocks_llama_s_linears_and_gpt2_s_conv1d():
     gpt2 = GPT2Block(transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16), layer_idx=0)
     assert coverage(gpt2, h) < 0.01
 
-
-def test_after_the_trial_the_faster_split_is_kept_and_torch_s_unless_the_own_products_win_by_the_margin():
-    """deferred.choose_split on the trial's step times (s): the fastest step of each split counts
-    (the first step of torch's split pays a one-time start-up); the own products must be 2%
-    faster, or the split the schedule means stays.  The event's text says which and why."""
-    from actors.record import weight_split_message
-
-    tried = {"torch": [0.398, 0.1796], "own": [0.199, 0.203]}  # the F.linear job of the engine tests
-    assert deferred.choose_split(tried) == "torch"
-    assert deferred.choose_split({"torch": [0.386, 0.1977], "own": [0.1115, 0.1089]}) == "own"  # paced convolutions
-    assert deferred.choose_split({"torch": [0.100, 0.101], "own": [0.0985, 0.099]}) == "torch"  # 1.5% is not enough
-    assert deferred.choose_split({"torch": [0.100], "own": [0.0975]}) == "own"
-    assert list(deferred.TRIAL) == ["torch", "own", "own", "torch"]
-    text = weight_split_message("torch", 0.199, 0.1796, {"w0.1": {"chunks": [1], "cover": [0.238]},
-                                                       "w0.2": {"chunks": [2, 5], "cover": [0.0, 0.5]}})
-    assert text == ("after trying both splits of the backward, w0.1 chunk 1 (its Linears hold 24% of its "
-                    "weight-gradient work), w0.2 chunk 2 (its Linears hold 0% of its weight-gradient work), "
-                    "w0.2 chunk 5 (its Linears hold 50% of its weight-gradient work) keep torch's split of the "
-                    "backward, every weight gradient in W: the fastest step took 179.6 ms so, 199.0 ms with only "
-                    "the Linears' weight products in W")

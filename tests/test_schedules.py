@@ -516,3 +516,24 @@ def test_weight_groups_bad_input(capsys):
     assert "needs a schedule with W actions (zb_h1 or zbv), not 1f1b" in capsys.readouterr().err
     assert main(["schedule", "--schedule", "zb_h1", "--stages", "2", "--microbatches", "4", "--weight-group", "0"]) == 2
     assert "--weight-group must be at least 1; got 0" in capsys.readouterr().err
+
+
+def test_after_the_trial_the_faster_split_is_kept_and_torch_s_unless_the_own_products_win_by_the_margin():
+    """choose_split on the trial's step times (s): the fastest step of each split counts
+    (the first step of torch's split pays a one-time start-up); the own products must be 2%
+    faster, or the split the schedule means stays.  The event's text says which and why."""
+    from actors.record import weight_split_message
+
+    tried = {"torch": [0.398, 0.1796], "own": [0.199, 0.203]}  # the F.linear job of the engine tests
+    assert S.choose_split(tried) == "torch"
+    assert S.choose_split({"torch": [0.386, 0.1977], "own": [0.1115, 0.1089]}) == "own"  # paced convolutions
+    assert S.choose_split({"torch": [0.100, 0.101], "own": [0.0985, 0.099]}) == "torch"  # 1.5% is not enough
+    assert S.choose_split({"torch": [0.100], "own": [0.0975]}) == "own"
+    assert list(S.SPLIT_TRIAL) == ["torch", "own", "own", "torch"]
+    text = weight_split_message("torch", 0.199, 0.1796, {"w0.1": {"chunks": [1], "cover": [0.238]},
+                                                       "w0.2": {"chunks": [2, 5], "cover": [0.0, 0.5]}})
+    assert text == ("after trying both splits of the backward, w0.1 chunk 1 (its Linears hold 24% of its "
+                    "weight-gradient work), w0.2 chunk 2 (its Linears hold 0% of its weight-gradient work), "
+                    "w0.2 chunk 5 (its Linears hold 50% of its weight-gradient work) keep torch's split of the "
+                    "backward, every weight gradient in W: the fastest step took 179.6 ms so, 199.0 ms with only "
+                    "the Linears' weight products in W")

@@ -11,7 +11,6 @@ import json
 import pytest
 import torch
 
-from actors import deferred
 from actors.runner import run_job
 from service import checkpoint, schedules, timeline
 from service.spec import SpecError, parse_spec
@@ -113,7 +112,7 @@ def test_weight_gradients_in_groups_equal_plain_pytorch(ray_session, tmp_path, s
     assert f'data-weight-group="{group}"' in timeline.render_svg(view)  # the web page's tooltip reads it
 
 
-TRIED = 1 + len(deferred.TRIAL)  # the steps a split schedule takes to choose how each chunk splits
+TRIED = 1 + len(schedules.SPLIT_TRIAL)  # the steps a split schedule takes to choose how each chunk splits
 # (the choice goes with the next step call; the call of step TRIED + 1 was sent while step TRIED ran)
 
 

@@ -36,7 +36,7 @@ def bare_worker(build_ms: float, step_ms: float, fail_at: int = -1):
             raise ValueError(f"no such sample in the batch of step {step + 1}")
         return [f"x{step}"], None
 
-    def run_step(step, called, batch):
+    def run_step(step, called, batch, split=None):
         step_thread.setdefault("id", threading.get_ident())
         xs, _ = batch.result()
         w.ran.append((step, xs[0], time.time()))
