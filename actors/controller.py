@@ -280,9 +280,11 @@ class JobController:
         if not trials:
             return
         first = next(iter(trials.values()))
-        if first["left"] == len(schedules.SPLIT_TRIAL) - 1:  # a new trial (a new shape, a restart)
+        at = len(schedules.SPLIT_TRIAL) - 1 - first["left"]  # the step's place in the trial
+        if at == 0:  # a new trial (a new shape, a restart)
             self.split_tried, self.split = {}, None
-        self.split_tried.setdefault(first["mode"], []).append(wall)
+        if at >= schedules.SPLIT_WARM:
+            self.split_tried.setdefault(first["mode"], []).append(wall)
         if first["left"] == 0:
             self.split = schedules.choose_split(self.split_tried)
             own, theirs = min(self.split_tried["own"]), min(self.split_tried["torch"])

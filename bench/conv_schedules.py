@@ -2,15 +2,15 @@
 
 Each worker's chunk holds convolutions and a Linear that has most of its weights but little of
 its weight-gradient work (``actors/deferred.covered``), so a split schedule tries both splits of
-its backward in steps 2-5: torch's ``stage_backward_input`` / ``stage_backward_weight`` (every
+its backward in steps 2-8: torch's ``stage_backward_input`` / ``stage_backward_weight`` (every
 weight gradient in W, at more compute than the whole backward on a CPU: bench/split_backward.py)
 and the Linears' own products (the convolutions' gradients in B), and keeps the faster from
-step 7 on (``service/schedules.choose_split``; the table says which).  1F1B keeps the whole backward with
-the Linears' own products and sends each input gradient early.  Steps from the 8th are timed.  Real compute, one thread per worker,
+step 10 on (``service/schedules.choose_split``; the table says which).  1F1B keeps the whole backward with
+the Linears' own products and sends each input gradient early.  Steps from the 11th are timed.  Real compute, one thread per worker,
 digits data through Linear(64, 2048) into 8 x 16 x 16 images, four Conv2d(., 32, 3), a Linear head
 8192 -> 128 -> 10; p = 2, M = 8; the schedules alternate round by round; median step of each.
 
-    .venv/bin/python bench/conv_schedules.py [--mbs 16 32 64] [--rounds 3] [--steps 17]
+    .venv/bin/python bench/conv_schedules.py [--mbs 16 32 64] [--rounds 3] [--steps 20]
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ def build(channels=32, classes=10):
         nn.Flatten(), nn.Linear(c * 256, 128), nn.ReLU(), nn.Linear(128, classes))
 '''
 
-SETTLED = 7  # the first step, the trial of the two splits (4), the step sent before the choice, one more
+SETTLED = 10  # the first step, the trial of the two splits (7), the step sent before the choice, one more
 RUNS = {"1F1B": ("1f1b", 1), "ZB-H1": ("zb_h1", 1), "ZB-H1 W xM": ("zb_h1", 0)}
 
 
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--mbs", type=int, nargs="+", default=[16, 32, 64])
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=17)
+    ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
 
     import ray

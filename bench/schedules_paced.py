@@ -17,10 +17,10 @@ The same paced model also runs in this process, one thread, accumulating the M m
 in bench/peers.py, here without the contention of real compute.
 
 The paced layers call ``F.linear`` themselves, so a split schedule's chunks try both splits of
-the backward in steps 2-5 and keep the faster from step 7 (README, "Which split a chunk keeps");
-steps from the 8th are timed, and the table says which split was kept.
+the backward in steps 2-8 and keep the faster from step 10 (README, "Which split a chunk keeps");
+steps from the 11th are timed, and the table says which split was kept.
 
-    .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 14]
+    .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 16]
 
 Writes bench/results/schedules_paced.{json,txt}.
 """
@@ -40,7 +40,7 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 BENCH = Path(__file__).resolve().parent
-SETTLED = 7  # the first step, the trial of the two splits (4), the step sent before the choice, one more
+SETTLED = 10  # the first step, the trial of the two splits (7), the step sent before the choice, one more
 sys.path[:0] = [str(BENCH.parent), str(BENCH)]
 
 PACED = '''"""Paced linear layers: simulated device time in forward, input gradient and weight gradient."""
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--ms", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--pps", type=int, nargs="+", default=[2, 4])
     ap.add_argument("--mbs", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES))
     args = ap.parse_args()
 

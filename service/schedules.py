@@ -357,15 +357,18 @@ def sends_early(schedule: Schedule) -> Schedule:
 # at the cost of a second pass through the graph: 12-31 % more compute for convolutions on a CPU,
 # bench/split_backward.py) or the Linears' own products (no extra compute, the rest of its weight
 # gradients in B).  Which makes the faster step depends on the device and on how much bubble
-# the split fills, so the steps after the first try both, in this order (torch's first: its
-# first step pays a one-time start-up; drift in the machine's speed weighs on both alike)
-SPLIT_TRIAL = ("torch", "own", "own", "torch")
+# the split fills, so the steps after the first try both, in this order: torch's first, not
+# counted (its first step pays a one-time start-up, about 200 ms on a CPU), then three of each,
+# their order weighing drift in the machine's speed on both alike
+SPLIT_TRIAL = ("torch", "own", "torch", "torch", "own", "own", "torch")
+SPLIT_WARM = 1  # the trial's first steps, not counted
 OWN_SPLIT_MARGIN = 0.02
 
 
 def choose_split(tried: dict) -> str:
     """The split the chunks under trial keep, from the trial's step times (``tried``: mode ->
-    seconds of each step): the one whose fastest step was faster; the own products must win by
+    seconds of each counted step): the one whose fastest step was faster (the noise of a
+    shared machine only adds time); the own products must win by
     ``OWN_SPLIT_MARGIN``, or the split the schedule means (torch's, every weight gradient in W) stays."""
     return "own" if min(tried["own"]) < (1.0 - OWN_SPLIT_MARGIN) * min(tried["torch"]) else "torch"
 

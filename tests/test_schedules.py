@@ -520,7 +520,7 @@ def test_weight_groups_bad_input(capsys):
 
 def test_after_the_trial_the_faster_split_is_kept_and_torch_s_unless_the_own_products_win_by_the_margin():
     """choose_split on the trial's step times (s): the fastest step of each split counts
-    (the first step of torch's split pays a one-time start-up); the own products must be 2%
+    (the trial's first step, torch's split paying a one-time start-up, is not among them); the own products must be 2%
     faster, or the split the schedule means stays.  The event's text says which and why."""
     from actors.record import weight_split_message
 
@@ -529,7 +529,8 @@ def test_after_the_trial_the_faster_split_is_kept_and_torch_s_unless_the_own_pro
     assert S.choose_split({"torch": [0.386, 0.1977], "own": [0.1115, 0.1089]}) == "own"  # paced convolutions
     assert S.choose_split({"torch": [0.100, 0.101], "own": [0.0985, 0.099]}) == "torch"  # 1.5% is not enough
     assert S.choose_split({"torch": [0.100], "own": [0.0975]}) == "own"
-    assert list(S.SPLIT_TRIAL) == ["torch", "own", "own", "torch"]
+    counted = S.SPLIT_TRIAL[S.SPLIT_WARM:]
+    assert S.SPLIT_TRIAL[0] == "torch" and counted.count("own") == counted.count("torch") == 3
     text = weight_split_message("torch", 0.199, 0.1796, {"w0.1": {"chunks": [1], "cover": [0.238]},
                                                        "w0.2": {"chunks": [2, 5], "cover": [0.0, 0.5]}})
     assert text == ("after trying both splits of the backward, w0.1 chunk 1 (its Linears hold 24% of its "

@@ -121,8 +121,11 @@ def _split_job(tmp_path, builder: str, args: dict, partition: list) -> tuple:
     two splits is in force: its last step's timeline lane of worker w0.1, its ``weight_split`` events, and the spec; the
     numbers equal one process's."""
     d = spec_of(1, 2, "zb_h1", "collective", steps=TRIED + 2, parallelism={"partition": partition}).model_dump(mode="json")
+    # M = 4: the bubble a split fills (a microbatch's B at the ends) is a larger share of the step
     d.update(model={"builder": builder, "args": args}, data={"kind": "digits"}, loss="cross_entropy")
+    d["training"]["microbatch_size"] = 16
     spec = parse_spec(d)
+    assert spec.microbatches == 4
     final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
     want = reference.run(spec, search=[FIXTURES], microbatched=True)
     assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
