@@ -154,11 +154,10 @@ def install(part: nn.Module, pending: Pending) -> int:
 
 
 # the share of a chunk's weight-gradient work its Linears' own products must hold for a split
-# schedule to leave them alone (``covered``); below it, the chunk splits with torch's
-# stage_backward_input / stage_backward_weight, where every weight gradient waits for W
+# schedule to leave them alone (``covered``); below it, the chunk tries both torch's
+# stage_backward_input / stage_backward_weight, where every weight gradient waits for W, and the
+# own products, and keeps the faster (service/schedules.py SPLIT_TRIAL, choose_split)
 LINEAR_COVER = 0.9
-
-# (a chunk under LINEAR_COVER tries both splits of its backward: service/schedules.py SPLIT_TRIAL)
 
 
 def _rows_hook(rows: dict):

@@ -282,4 +282,3 @@ def test_coverage_of_transformers_blocks_llama_s_linears_and_gpt2_s_conv1d():
     assert coverage(llama_blocks(1)[0], h) > 0.99
     gpt2 = GPT2Block(transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16), layer_idx=0)
     assert coverage(gpt2, h) < 0.01
-
