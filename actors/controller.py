@@ -146,7 +146,7 @@ class JobController:
             sit = self._situation(kept=0, exclude=set(), forced=True, since=state.waited_since)
             d = policy.decide(sit, self.spec, self.layers.facts)
             if isinstance(d, (policy.Wait, policy.Fail)):
-                return self._wait(d, state.waited_since, lambda since: Starting(since), sit.slots)
+                return self._wait(d, state.waited_since, lambda since: Starting(since), sit)
             shape, why = d.shape, d.reason
         else:
             shape, why = self._fixed_shape(early)
@@ -216,7 +216,8 @@ class JobController:
                                 steps_left=self.spec.training.steps - self.record.step,
                                 step_s=self.group.shape.step_s if cur else None)
 
-    def _wait(self, d, since: Optional[float], again: Callable[[float], State], slots: int) -> State:
+    def _wait(self, d, since: Optional[float], again: Callable[[float], State], sit: policy.Situation,
+              move: Optional[Move] = None) -> State:
         if isinstance(d, policy.Fail):
             drained = (f" (the job had trained on node{'s' if len(self.drains_seen) > 1 else ''} "
                        f"{', '.join(n[:12] for n in sorted(self.drains_seen))} after it announced it was draining: "
@@ -224,9 +225,24 @@ class JobController:
             return Failed(d.reason + drained)
         if since is None or d.reason != self.waiting_for:  # (again when what it waits for changed: not stale)
             self.waiting_for = d.reason
-            self.record.event("waiting", d.reason, slots=slots)
+            self.record.event("waiting", d.reason, **self._survey_fields(sit, move))
         time.sleep(1.0)
         return again(since or time.monotonic())
+
+    def _survey_fields(self, sit: policy.Situation, move: Optional[Move]) -> dict:
+        """What a ``waiting`` event records of the survey behind it: the slots counted (the job's
+        kept workers and the free ones), and during a reshape the nodes left out (those that lost
+        workers, and those suspected of being down) and the job's live workers it could not keep
+        (stuck in their step, or in a tensor-parallel group that lost a member): they still hold
+        their slots."""
+        out = dict(slots=sit.slots, kept=sit.kept, free=sit.free)
+        if move is not None:
+            g = self.group
+            whole = g.whole_groups(move.keep)
+            out.update(excluded=sorted(n[:12] for n in move.exclude if n),
+                       suspect=sorted(n[:12] for n in self.reshaper.suspect(self.watch.view.alive)),
+                       held=sorted(cell_name(c) for c in {**move.keep, **move.donors} if c not in whole))
+        return out
 
     def _announce(self, shape: planner.Shape, why: str) -> None:
         self.record.announce_shape(shape, why, self.spec, gpus=self.group.gpus, workers=self.group.describe(),
@@ -452,11 +468,21 @@ class JobController:
         sit = self._situation(kept=len(g.whole_groups(move.keep)), exclude=move.exclude, forced=move.forced,
                               since=state.waited_since, joined=joined)
         d = policy.decide(sit, self.spec, self.layers.facts)
+        up = move.exclude & self.watch.view.alive - self.reshaper.suspect(self.watch.view.alive)
+        if isinstance(d, (policy.Wait, policy.Fail)) and up:
+            # the nodes that lost workers are left out so that a loss does not wait on them, but
+            # rather than wait for others (or fail), their free slots count once they are known
+            # up: another worker there answered, or Ray still lists them alive after SUSPECT_S
+            # (a worker process died, e.g. killed for memory, on a node it had to itself)
+            move.exclude = move.exclude - up
+            sit = self._situation(kept=sit.kept, exclude=move.exclude, forced=move.forced,
+                                  since=state.waited_since, joined=joined)
+            d = policy.decide(sit, self.spec, self.layers.facts)
         if move.draining and isinstance(d, (policy.Wait, policy.Fail)):
             return self._train_on_draining(move, d)
         if isinstance(d, (policy.Wait, policy.Fail)):
             return self._wait(d, state.waited_since, lambda since: Reshaping(move=move, attempt=state.attempt,
-                                                                           waited_since=since), sit.slots)
+                                                                           waited_since=since), sit, move)
         if isinstance(d, policy.Keep):  # the growth no longer pays
             g.stop_others([h for c, h in move.keep.items() if c not in g.workers])
             return Running(self.record.step)

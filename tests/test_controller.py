@@ -63,14 +63,40 @@ def test_below_min_workers_waits_then_fails_with_the_reason():
     s = spec(dp=1, pp=2, min_workers=2, wait_timeout_s=1.5)
     ctl, group, cluster, record = controller(s, nodes=2)
     group.queue_step()
-    group.queue_step({(0, 1): died(), (0, 0): peer_error()}, before=lambda: cluster.remove(group.node_of((0, 1))))
+    gone = []
+    group.queue_step({(0, 1): died(), (0, 0): peer_error()},
+                     before=lambda: cluster.remove(gone.append(group.node_of((0, 1))) or gone[0]))
     ctl.run()
     assert record.state.value == "FAILED"
     assert record.error.startswith("waiting for workers: 1 slot alive, the job needs at least "
                                    "elastic.min_workers=2; gave up after elastic.wait_timeout_s=1.5 s")
     [waiting] = events(record, "waiting")
-    assert waiting["slots"] == 1
+    # what the survey saw: w0.0 kept, no slot free, the node that lost w0.1 left out
+    assert (waiting["slots"], waiting["kept"], waiting["free"], waiting["held"]) == (1, 1, 0, [])
+    assert waiting["excluded"] == [gone[0][:12]]
     assert events(record, "failed")[0]["message"] == record.error
+
+
+def test_a_process_lost_on_a_node_that_stays_up_is_replaced_there_rather_than_waited_out(monkeypatch):
+    """A worker's process dies (killed for memory, say) on a node it had to itself, and the job
+    needs every slot (min_workers = 2 on two nodes).  The node is suspect at first (no other
+    worker there answered), so the job waits; once Ray still lists it alive after SUSPECT_S its
+    free slot counts, and the job goes on in its shape there instead of failing at the timeout."""
+    from actors import reshape
+
+    monkeypatch.setattr(reshape, "SUSPECT_S", 1.0)
+    s = spec(dp=1, pp=2, min_workers=2, wait_timeout_s=20)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    group.queue_step()
+    group.queue_step({(0, 1): died(), (0, 0): peer_error()}, before=lambda: group.killed.add((0, 1)))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED", record.error
+    assert group.steps_run == [1, 2, 3, 4, 5, 6]
+    [waiting] = events(record, "waiting")
+    assert (waiting["slots"], waiting["kept"], waiting["free"]) == (1, 1, 0)
+    [reshape_event] = events(record, "reshape")
+    assert reshape_event["old_shape"] == reshape_event["new_shape"] == [1, 2] and reshape_event["steps_lost"] == 0
+    assert sorted(group.describe().values()) == ["node0", "node1"]
 
 
 def test_what_a_waiting_job_waits_for_is_said_again_when_it_changes():

@@ -137,7 +137,16 @@ class Job:
 
     def finish(self, timeout=240):
         self.thread.join(timeout)
-        assert not self.thread.is_alive(), "the job did not finish"
+        if self.thread.is_alive():  # say where it hung: its events, with the survey's fields
+            try:
+                p = self.poll()
+                said = [f"{e['type']}: {e['message']} " + str({k: v for k, v in e.items() if k not in
+                                                                  ("type", "message", "time", "id")})
+                        for e in p["events"]]
+            except Exception as e:  # noqa: BLE001 - a hint only
+                p, said = {"state": "?", "step": "?"}, [f"(its scheduler did not answer: {e!r})"]
+            raise AssertionError(f"the job did not finish in {timeout} s: {p['state']} at step {p['step']}, "
+                                 "events:\n" + "\n".join(said))
         final = self.result or (self.error.args[2] if len(getattr(self.error, "args", ())) > 2 else None)
         for e in (final or {}).get("events", []):  # shown when a test fails
             print(f"event {e['type']}: {e['message']}")

@@ -79,6 +79,7 @@ class FakeGroup:
         self.joining: Optional[Joining] = None
         self.steps_run: list[int] = []
         self.lost: set = set()                  # the cells of the last failed step's errors
+        self.killed: set = set()                # cells whose process died on a node that stays up
         self.started_joining: list[tuple] = []  # (workers started, workers already up) per background start
         self._outcomes: collections.deque = collections.deque()
         cluster.group = self
@@ -171,10 +172,14 @@ class FakeReshaper(Reshaper):
         return {}
 
     def after_loss(self, refs: dict, lost) -> Move:
-        dead = {c for c in self.group.workers if self.group.node_of(c) not in self.group.cluster.nodes}
-        alive = {c: h for c, h in self.group.workers.items() if c not in dead}
-        nodes = {self.group.node_of(c) for c in dead}
-        self._suspect.update({n: time.monotonic() for n in nodes if n})
+        g = self.group
+        dead = {c for c in g.workers if g.node_of(c) not in g.cluster.nodes or c in g.killed}
+        alive = {c: h for c, h in g.workers.items() if c not in dead}
+        nodes = {g.node_of(c) for c in dead}
+        up = {g.node_of(c) for c in alive}  # as the real one: a node where a worker answered is up
+        self._suspect.update({n: time.monotonic() for n in nodes - up if n})
+        g.where = {c: w for c, w in g.where.items() if c not in g.killed}  # a dead process's slot is free
+        g.killed = set()
         return Move(f"lost {sorted(dead)} ({lost.failure})", keep=alive, donors=alive, exclude=nodes, forced=True,
                     detected=lost.time, lost=tuple(sorted(dead)))
 
