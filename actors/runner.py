@@ -48,8 +48,10 @@ class _Outputs:
         if rows:
             f.flush()
 
-    def event(self, kind: str, message: str, **fields) -> None:
-        self.write(self.events, [{"time": time.time(), "type": kind, "message": message, **fields}])
+    def event(self, kind: str, message: str, **fields) -> dict:
+        row = {"time": time.time(), "type": kind, "message": message, **fields}
+        self.write(self.events, [row])
+        return row
 
     def close(self) -> None:
         self.metrics.close()
@@ -117,7 +119,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         where = _save_model(index, model_dir, Path(out) / "model.pt")
         if store:
             store.update_job(job_id, model_path=str(where.resolve()))
-        outputs.event("saved", f"model saved to {where}")
+        final["events"].append(outputs.event("saved", f"model saved to {where}"))  # the report says all events.jsonl does
         final["model"] = str(where)
         return final
     except BaseException as e:

@@ -68,7 +68,8 @@ def test_equals_plain_pytorch(ray_session, tmp_path, dp, pp, schedule, transport
     assert all(r["peak_live"] == want_peak for r in rows)
     assert final["state"] == "SUCCEEDED"
     kinds = [e["type"] for e in read_jsonl(tmp_path / "events.jsonl")]
-    assert kinds[0] == "started" and "shape" in kinds and "finished" in kinds
+    assert kinds[0] == "started" and "shape" in kinds and "finished" in kinds and kinds[-1] == "saved"
+    assert [e["type"] for e in final["events"]] == kinds  # the report holds what the file does
 
 
 def test_char_transformer_integer_inputs_collective(ray_session, tmp_path):
