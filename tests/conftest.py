@@ -42,25 +42,77 @@ def restart_session_ray():
 FAST_NODE_DEATH = {"health_check_period_ms": 1000, "health_check_failure_threshold": 5}
 
 
-def simulated_cluster(nodes: int = 0):
-    """A generator for a module's fixture: a ray.cluster_utils.Cluster (a head with no CPUs and
-    ``nodes`` 1-CPU nodes) in place of the session's local Ray, which comes back after."""
+_SIMULATED = {"cluster": None, "was_up": False}
+SIMULATED = "simulated_cluster"  # the fixture's name: its tests run first, on one cluster (below)
+
+
+@pytest.fixture
+def simulated_cluster():
+    """A ray.cluster_utils.Cluster (a head with no CPUs, and the nodes the tests add) in place
+    of the session's local Ray, shared by every module that uses it; ``pytest_runtest_teardown``
+    shuts it down after the last of their tests, and the session's Ray comes back if it was up.
+    Its tests run first (``pytest_collection_modifyitems``), so that neither Ray starts twice
+    (a ray.init costs ~2 s here, a Cluster ~5 s)."""
     import ray
     from ray.cluster_utils import Cluster
 
-    was_up = ray.is_initialized()
-    if was_up:
-        ray.shutdown()
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
-    for _ in range(nodes):
-        c.add_node(num_cpus=1)
-    c.wait_for_nodes()
-    ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
-    yield c
+    if _SIMULATED["cluster"] is None:
+        _SIMULATED["was_up"] = ray.is_initialized()
+        if _SIMULATED["was_up"]:
+            ray.shutdown()
+        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
+        c.wait_for_nodes()
+        ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
+        _SIMULATED["cluster"] = c
+    return _SIMULATED["cluster"]
+
+
+def _stop_simulated_cluster() -> None:
+    import ray
+
+    c, _SIMULATED["cluster"] = _SIMULATED["cluster"], None
+    if c is None:
+        return
     ray.shutdown()
     c.shutdown()
-    if was_up:
+    if _SIMULATED["was_up"]:
         restart_session_ray()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: SIMULATED not in getattr(item, "fixturenames", ()))  # stable: their order kept
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # the test's own fixtures first (they may remove nodes)
+    if _SIMULATED["cluster"] is not None and (nextitem is None or SIMULATED not in nextitem.fixturenames):
+        _stop_simulated_cluster()
+
+
+def with_nodes(cluster, n):
+    """Exactly ``n`` alive 1-CPU worker nodes in the simulated cluster, known to Ray."""
+    import time
+
+    import ray
+
+    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
+    for node in [x for x in cluster.worker_nodes if x.node_id not in alive]:  # e.g. a drained node that exited
+        cluster.worker_nodes.discard(node)
+        node.kill_all_processes(check_alive=False, allow_graceful=False)
+    workers = [node for node in cluster.worker_nodes]
+    while len(workers) < n:
+        workers.append(cluster.add_node(num_cpus=1))
+    for node in workers[n:]:
+        cluster.remove_node(node)  # gracefully: gone at once (a crashed node is marked dead ~5 s later)
+    deadline = time.monotonic() + 40  # a crashed node is marked dead ~5 s after it went (FAST_NODE_DEATH)
+    while sum(1 for x in ray.nodes() if x["Alive"]) != n + 1 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    cluster.wait_for_nodes()
+    deadline = time.monotonic() + 30
+    while ray.cluster_resources().get("CPU", 0) != n and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.cluster_resources().get("CPU", 0) == n
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,7 @@ import pytest
 from actors.runner import JobFailed, run_job
 from service.spec import parse_spec
 from tests import reference
-from tests.conftest import FIXTURES, simulated_cluster
+from tests.conftest import FIXTURES, with_nodes
 from tests.test_engine import assert_same_params
 
 STEPS = 40
@@ -60,32 +60,10 @@ def elastic_spec(name, dp, pp, transport="collective", steps=STEPS, dtype="float
     })
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """One simulated cluster for the module; each test starts with WORKERS alive 1-CPU nodes."""
-    yield from simulated_cluster()
-
-
-def with_nodes(cluster, n):
-    import ray
-
-    alive = {x["NodeID"] for x in ray.nodes() if x["Alive"]}
-    for node in [x for x in cluster.worker_nodes if x.node_id not in alive]:  # e.g. a drained node that exited
-        cluster.worker_nodes.discard(node)
-        node.kill_all_processes(check_alive=False, allow_graceful=False)
-    workers = [node for node in cluster.worker_nodes]
-    while len(workers) < n:
-        workers.append(cluster.add_node(num_cpus=1))
-    for node in workers[n:]:
-        cluster.remove_node(node)
-    deadline = time.monotonic() + 40  # a crashed node is marked dead ~5 s after it went (conftest.FAST_NODE_DEATH)
-    while sum(1 for x in ray.nodes() if x["Alive"]) != n + 1 and time.monotonic() < deadline:
-        time.sleep(0.5)
-    cluster.wait_for_nodes()
-    deadline = time.monotonic() + 30
-    while ray.cluster_resources().get("CPU", 0) != n and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert ray.cluster_resources().get("CPU", 0) == n
+@pytest.fixture
+def cluster(simulated_cluster):
+    """The session's simulated cluster (tests/conftest.py); each test sets its nodes with with_nodes."""
+    return simulated_cluster
 
 
 class Job:
@@ -267,7 +245,9 @@ def test_node_added_mid_run_scales_up(cluster, tmp_path):
     import ray
 
     with_nodes(cluster, 2)
-    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=200, separate_activations=True,
+    # two workers start one after the other (~4 s each on a loaded CI machine) while the job trains on at
+    # ~35 ms a step: 200 steps were once over before the second was up (2026-11-28)
+    spec = elastic_spec("scale-up", 2, 2, transport="object_store", steps=400, separate_activations=True,
                         costs=SEPARATE, schedule="zb_h1")  # the new workers take ReLU entries: built, not copied
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
@@ -577,9 +557,9 @@ def tp_nodes(cluster, tmp_path_factory):
     path = tmp_path_factory.mktemp("tp-tokens") / "train.bin"
     np.random.default_rng(0).integers(0, 64, 16 * 17 * 12).astype(np.uint16).tofile(path)
     yield add, str(path)
-    for node in added:
-        if node in cluster.worker_nodes:
-            cluster.remove_node(node, allow_graceful=False)
+    for node in added:  # gracefully: gone at once (a crashed node is marked dead ~5 s later, which
+        if node in cluster.worker_nodes:  # the next test's with_nodes would wait out)
+            cluster.remove_node(node)
 
 
 def check_tp_result(result, spec, tmp_path):

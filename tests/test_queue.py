@@ -13,7 +13,7 @@ import torch
 
 from service.spec import parse_spec
 from tests import reference
-from tests.conftest import simulated_cluster
+from tests.conftest import with_nodes
 from tests.test_api import BOB, Server, wait_state
 from tests.test_durable import until
 from tests.test_engine import assert_same_params
@@ -28,10 +28,11 @@ def spec_dict(name: str, steps: int, dp: int = 1, pp: int = 2, **over) -> dict:
     return d
 
 
-@pytest.fixture(scope="module")
-def cluster():
-    """Two 1-CPU nodes (tests add more) for this module."""
-    yield from simulated_cluster(2)
+@pytest.fixture
+def cluster(simulated_cluster):
+    """The session's simulated cluster (tests/conftest.py) with two 1-CPU nodes; tests add more."""
+    with_nodes(simulated_cluster, 2)
+    return simulated_cluster
 
 
 def serve(cluster, home, **env) -> Server:
