@@ -46,6 +46,8 @@ class JobController:
         self.installed: Optional[Reshaped] = None   # a reshape whose first committed step is awaited
         self.reshapes = 0
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
+        self.join_more_every_s = 2.0                 # while a growth's workers start: a look for more free slots
+        self.join_more_after = 0.0
         self.final_attempts = 0
         self.final: Optional[dict] = None            # the final model's index (service/shards.py)
         self.cancelled = getattr(group, "cancelled", None) or threading.Event()  # one event: the group waits on it too
@@ -445,6 +447,9 @@ class JobController:
                             donors=dict(g.workers), exclude=set(), forced=False, detected=detected)
             if extra is not None:  # some could not start in time: try again later
                 self.grow_after = now + 30
+            elif now >= self.join_more_after:
+                self.join_more_after = now + self.join_more_every_s
+                self._join_more(len(g.workers) + len(g.joining.handles))
             return None
         if now < self.grow_after:
             return None
@@ -455,6 +460,15 @@ class JobController:
         elif d.reason != "no free slot":
             self.grow_after = now + 5  # re-plan when the cluster changes, not every step
         return None
+
+    def _join_more(self, counted: int) -> None:
+        """While a growth's workers start: slots that came free since (the nodes of a scale-up
+        come seconds apart) get workers of their own now, not once these are up, so that the
+        job grows once, onto all of them, a worker's start (~4 s) sooner.  ``counted``: the
+        job's workers and those starting, which hold their slots already."""
+        d = policy.decide(self._situation(kept=counted, exclude=set(), forced=False), self.spec, self.layers.facts)
+        if isinstance(d, policy.Reshape) and d.shape.workers > counted:
+            self.group.add_joining(d.shape.workers - counted)
 
     def _reshape(self, state: Reshaping) -> State:
         move, g = state.move, self.group

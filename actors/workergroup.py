@@ -155,13 +155,23 @@ class WorkerGroup:
         """Start ``k`` workers for a scale-up in the background; ``up``: workers started for it
         earlier and up already, which join with them (a growth that found more free slots by the
         time its first workers were up; ``detected``: when that growth began)."""
-        first = self._joining_made
-        self._joining_made += k
-        spawned = self.spawn([("new", i) for i in range(k)],
-                             actor_names=[names.joining_name(self.job_id, self.gen, first + i) for i in range(k)])
-        handles = [*up, *spawned.values()]
+        handles = [*up, *self._spawn_joining(k)]
         self.joining = Joining(handles, [h.__ray_ready__.remote() for h in handles],
                                time.monotonic() + self.start_timeout, detected or time.time())
+
+    def add_joining(self, k: int) -> None:
+        """``k`` more workers for the scale-up whose workers start now: it waits for them too."""
+        more = self._spawn_joining(k)
+        self.joining.handles += more
+        self.joining.ready += [h.__ray_ready__.remote() for h in more]
+        self.joining.deadline = time.monotonic() + self.start_timeout
+
+    def _spawn_joining(self, k: int) -> list:
+        first = self._joining_made
+        self._joining_made += k
+        return list(self.spawn([("new", i) for i in range(k)],
+                               actor_names=[names.joining_name(self.job_id, self.gen, first + i)
+                                            for i in range(k)]).values())
 
     def take_joined(self, keep: dict) -> None:
         """Workers started for a scale-up that are up by now join ``keep``; failed ones are stopped."""

@@ -25,8 +25,9 @@ def restart_session_ray():
     """The session's local Ray: 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 fit."""
     import ray
 
+    # metrics exported every 2 s, not Ray's 10: tests/test_metrics.py reads them back from the export
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
-             namespace="relaytrain-tests")
+             namespace="relaytrain-tests", _system_config={"metrics_report_interval_ms": 2000})
     return ray
 
 

@@ -174,6 +174,30 @@ def test_nodes_joining_a_moment_apart_grow_the_job_once_without_a_pause_for_a_st
     assert reshape["paused_s"] < reshape["recovery_s"]  # trained on while its workers started
 
 
+def test_a_node_that_joins_while_workers_start_for_another_gets_its_worker_at_once():
+    """A scale-up's nodes come seconds apart: the second node's worker starts as soon as it
+    is seen, beside the first's (not once the first is up, a worker's start later), and the
+    job grows once, onto both."""
+    d = spec(dp=2, pp=2, steps=10, grow_payback_s=0).model_dump(mode="json")
+    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
+    d["resources"]["memory_per_worker_mb"] = 0.6
+    s = parse_spec(d)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    ctl.join_more_every_s = 0.0
+    group.start_boundaries = 4  # a worker's start takes four steps here
+    group.queue_step(before=lambda: cluster.add("node8"))  # at the boundary after step 1: start one worker
+    group.queue_step(before=lambda: cluster.add("node9"))  # at the next: one more, while the first starts
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == list(range(1, 11))
+    assert group.started_joining == [(1, 0)] and group.added_joining == [1]
+    [reshape] = events(record, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2]
+    assert reshape["reason"].startswith("2 more worker slots joined")
+    # the first step of 2x2: both workers were up at the 4th boundary after the first's start (after step 5);
+    # had the second started once the first was up, it would have been up after step 9
+    assert reshape["step"] == 6
+
+
 def test_a_draining_node_with_nowhere_to_go_trains_on_until_a_slot_frees_up():
     s = spec(dp=1, pp=2, steps=8)
     ctl, group, cluster, record = controller(s, nodes=2)

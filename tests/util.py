@@ -81,6 +81,9 @@ class FakeGroup:
         self.lost: set = set()                  # the cells of the last failed step's errors
         self.killed: set = set()                # cells whose process died on a node that stays up
         self.started_joining: list[tuple] = []  # (workers started, workers already up) per background start
+        self.added_joining: list[int] = []      # workers added to a growth whose workers were starting
+        self.start_boundaries = 1               # a growth's workers are up at the k-th boundary after their start
+        self._starting = 0
         self._outcomes: collections.deque = collections.deque()
         cluster.group = self
 
@@ -144,9 +147,17 @@ class FakeGroup:
         self.started_joining.append((k, len(up)))
         self.joining = Joining([*up, *(f"joining-{len(self.started_joining)}-{i}" for i in range(k))], [],
                                time.monotonic() + 5, detected or time.time())
+        self._starting = 0
+
+    def add_joining(self, k: int) -> None:
+        self.added_joining.append(k)
+        self.joining.handles += [f"added-{len(self.added_joining)}-{i}" for i in range(k)]
 
     def joined(self) -> Optional[dict]:
-        """Workers started for a growth are up at the next boundary."""
+        """Workers started for a growth are up at the ``start_boundaries``-th boundary after it."""
+        self._starting += 1
+        if self.joining is not None and self._starting < self.start_boundaries:
+            return None
         got, self.joining = self.joining, None
         return {("new", i): h for i, h in enumerate(got.handles)} if got else None
 
