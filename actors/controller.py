@@ -206,8 +206,9 @@ class JobController:
                                    **model), "the spec's shape"
 
     def _situation(self, *, kept: int, exclude: set, forced: bool, since: Optional[float] = None,
-                   joined: int = 0) -> policy.Situation:
-        view = self.watch.refresh()
+                   joined: int = 0, fresh: bool = True) -> policy.Situation:
+        """``fresh``: the cluster asked now (GCS calls), else the watch's view of the last second."""
+        view = self.watch.refresh() if fresh else self.watch.view
         suspect = self.reshaper.suspect(view.alive)
         free = view.free_slots(self.spec.resources.cpus_per_worker, self.group.gpus, exclude | suspect,
                                group=self.spec.parallelism.tp)
@@ -466,7 +467,8 @@ class JobController:
         come seconds apart) get workers of their own now, not once these are up, so that the
         job grows once, onto all of them, a worker's start (~4 s) sooner.  ``counted``: the
         job's workers and those starting, which hold their slots already."""
-        d = policy.decide(self._situation(kept=counted, exclude=set(), forced=False), self.spec, self.layers.facts)
+        sit = self._situation(kept=counted, exclude=set(), forced=False, fresh=False)  # no GCS call mid-training
+        d = policy.decide(sit, self.spec, self.layers.facts)
         if isinstance(d, policy.Reshape) and d.shape.workers > counted:
             self.group.add_joining(d.shape.workers - counted)
 

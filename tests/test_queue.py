@@ -105,7 +105,11 @@ def test_an_elastic_job_shrinks_to_admit_another_tenants_job_and_grows_back(clus
     nodes = [cluster.add_node(num_cpus=1) for _ in range(2)]  # four 1-CPU nodes
     cluster.wait_for_nodes()
     server = serve(cluster, tmp_path)
-    steps = 1500  # it grew back at step 722 on 2026-11-27 (37 ms a step after it): twice that
+    # it grew back at step 722 on 2026-11-27 (37 ms a step after it) and 895 on 2026-11-28; that evening a run
+    # at 8 ms a step (2x1) was told it may grow at step ~785 and ended its 1500 steps 5.9 s later, its two
+    # new workers still starting (the scheduler then asked the GCS every 2 s meanwhile; the grow-back took
+    # 8.7 s so, 4.3 s since): 1800 leave ~8 s at that pace
+    steps = 1800
     elastic_body = spec_dict("wide", steps, dp=2, pp=2,
                              elastic={"enabled": True, "min_workers": 2, "max_workers": 4, "snapshot_every_steps": 0})
     fixed_body = spec_dict("bobs", 30)
