@@ -48,6 +48,7 @@ class JobController:
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
         self.join_more_every_s = 2.0                 # while a growth's workers start: a look for more free slots
         self.join_more_after = 0.0
+        self.joining_since = 0.0                     # when workers for a growth were last started (time.time())
         self.final_attempts = 0
         self.final: Optional[dict] = None            # the final model's index (service/shards.py)
         self.cancelled = getattr(group, "cancelled", None) or threading.Event()  # one event: the group waits on it too
@@ -458,6 +459,7 @@ class JobController:
                           self.layers.facts)
         if isinstance(d, policy.Reshape):
             g.start_joining(d.more_workers(len(g.workers)))
+            self._started_joining()
         elif d.reason != "no free slot":
             self.grow_after = now + 5  # re-plan when the cluster changes, not every step
         return None
@@ -467,10 +469,17 @@ class JobController:
         come seconds apart) get workers of their own now, not once these are up, so that the
         job grows once, onto all of them, a worker's start (~4 s) sooner.  ``counted``: the
         job's workers and those starting, which hold their slots already."""
+        if self.watch.view.time < self.joining_since + min(1.0, self.join_more_every_s):
+            return  # a view from before the workers starting took their slots would count those slots twice
         sit = self._situation(kept=counted, exclude=set(), forced=False, fresh=False)  # no GCS call mid-training
         d = policy.decide(sit, self.spec, self.layers.facts)
         if isinstance(d, policy.Reshape) and d.shape.workers > counted:
             self.group.add_joining(d.shape.workers - counted)
+            self._started_joining()
+
+    def _started_joining(self) -> None:
+        self.joining_since = time.time()
+        self.join_more_after = time.monotonic() + self.join_more_every_s
 
     def _reshape(self, state: Reshaping) -> State:
         move, g = state.move, self.group
@@ -507,6 +516,7 @@ class JobController:
             # background too (started here, training would pause for a worker's start, ~5 s)
             g.start_joining(d.shape.workers - len(move.keep), up=tuple(h for c, h in move.keep.items()
                                                                        if c not in g.workers), detected=move.detected)
+            self._started_joining()
             return Running(self.record.step)
         move.phases["plan_s"] = move.phases.get("plan_s", 0.0) + time.time() - t
         try:

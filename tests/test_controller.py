@@ -5,6 +5,7 @@ error and its events."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -196,6 +197,27 @@ def test_a_node_that_joins_while_workers_start_for_another_gets_its_worker_at_on
     # the first step of 2x2: both workers were up at the 4th boundary after the first's start (after step 5);
     # had the second started once the first was up, it would have been up after step 9
     assert reshape["step"] == 6
+
+
+def test_a_view_of_the_cluster_from_before_a_growths_workers_started_starts_no_more():
+    """The look for more slots reads the cluster watch's view of the last second: one taken
+    before the growth's workers took their slots shows those slots free still, and must not
+    start workers for them (they would wait for slots that do not exist, and fail the growth)."""
+    d = spec(dp=2, pp=2, steps=10, grow_payback_s=0).model_dump(mode="json")
+    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
+    d["resources"]["memory_per_worker_mb"] = 0.6
+    s = parse_spec(d)
+    ctl, group, cluster, record = controller(s, nodes=2)
+    ctl.join_more_every_s = 0.0
+    group.start_boundaries = 4
+
+    group.queue_step(before=lambda: cluster.add("node8"))  # the growth's worker starts for node8
+    group.queue_step(before=lambda: setattr(cluster, "seen_at", time.time() - 5))  # the view is older than it
+    ctl.run()
+    assert record.state.value == "SUCCEEDED", (record.error, [e.get("detail") for e in record.events])
+    assert group.started_joining == [(1, 0)] and group.added_joining == []
+    [reshape] = events(record, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 3]
 
 
 def test_a_draining_node_with_nowhere_to_go_trains_on_until_a_slot_frees_up():

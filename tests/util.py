@@ -23,6 +23,7 @@ class FakeCluster:
         self.nodes = {f"node{i}": 1.0 for i in range(nodes)}
         self.draining: dict[str, Optional[float]] = {}
         self.group: Optional["FakeGroup"] = None
+        self.seen_at: Optional[float] = None  # set: the view is as of then, before any worker for a growth started
 
     def remove(self, node: str) -> None:
         self.nodes.pop(node)
@@ -32,17 +33,24 @@ class FakeCluster:
 
     @property
     def view(self) -> NodeView:
+        """The watch's view of the last second (``seen_at``: while a growth's workers start, one
+        as of then, from before they took their slots)."""
+        return self._view(stale=self.seen_at is not None and self.group is not None and self.group.joining is not None)
+
+    def _view(self, stale: bool = False) -> NodeView:
         used = collections.Counter(w["node"] for w in self.group.where.values()) if self.group else {}
-        joining = len(self.group.joining.handles) if self.group and self.group.joining else 0
+        joining = len(self.group.joining.handles) if self.group and self.group.joining and not stale else 0
+        joining += self.group.joined_unplaced if self.group else 0  # up, holding their slots
         free = {n: {"CPU": cpus - used.get(n, 0)} for n, cpus in self.nodes.items()}
         for n in free:  # workers being started take free slots first
             take = min(joining, max(0, int(free[n]["CPU"])))
             free[n]["CPU"] -= take
             joining -= take
-        return NodeView(alive=set(self.nodes), draining=dict(self.draining), free=free, time=time.time())
+        return NodeView(alive=set(self.nodes), draining=dict(self.draining), free=free,
+                        time=self.seen_at if stale else time.time())
 
     def refresh(self) -> NodeView:
-        return self.view
+        return self._view()
 
     def start(self) -> "FakeCluster":
         return self
@@ -84,6 +92,7 @@ class FakeGroup:
         self.added_joining: list[int] = []      # workers added to a growth whose workers were starting
         self.start_boundaries = 1               # a growth's workers are up at the k-th boundary after their start
         self._starting = 0
+        self.joined_unplaced = 0                # workers of a growth that are up, holding slots, not yet placed
         self._outcomes: collections.deque = collections.deque()
         cluster.group = self
 
@@ -105,6 +114,7 @@ class FakeGroup:
         self.where = {c: {"node": nodes[i], "layers": shape.bounds[c[1]], "name": ""} for i, c in enumerate(cells)}
         self.workers = {c: f"worker-{c}" for c in cells}
         self.shape = shape
+        self.joined_unplaced = 0
 
     # --- the WorkerGroup interface the controller uses
     def gpus_per_worker(self) -> float:
@@ -159,6 +169,7 @@ class FakeGroup:
         if self.joining is not None and self._starting < self.start_boundaries:
             return None
         got, self.joining = self.joining, None
+        self.joined_unplaced = len(got.handles) if got else 0
         return {("new", i): h for i, h in enumerate(got.handles)} if got else None
 
     def keep_survivors(self, calls: list, wait_s: float = 10.0) -> dict:
