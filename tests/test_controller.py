@@ -154,14 +154,19 @@ def test_a_joining_node_grows_the_job_at_a_boundary():
     assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and "joined" in reshape["reason"]
 
 
+def growth_spec(steps: int):
+    """An elastic job whose best shape is 1x3 on 3 slots and 2x2 on 4 (growths are modelled to pay)."""
+    d = spec(dp=2, pp=2, steps=steps, grow_payback_s=0).model_dump(mode="json")
+    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6
+    d["resources"]["memory_per_worker_mb"] = 0.6
+    return parse_spec(d)
+
+
 def test_nodes_joining_a_moment_apart_grow_the_job_once_without_a_pause_for_a_start():
     """The second node joins while the worker for the first one starts: the job goes on
     training while the second's worker starts too, then reshapes once, onto both (it used to
     start the last worker with training paused, ~5 s)."""
-    d = spec(dp=2, pp=2, steps=8, grow_payback_s=0).model_dump(mode="json")
-    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
-    d["resources"]["memory_per_worker_mb"] = 0.6
-    s = parse_spec(d)
+    s = growth_spec(steps=8)
     ctl, group, cluster, record = controller(s, nodes=2)
     group.queue_step(before=lambda: cluster.add("node8"))  # at the boundary after step 1: start one worker
     group.queue_step(before=lambda: cluster.add("node9"))  # it is up after step 2; by then node9 joined
@@ -179,10 +184,7 @@ def test_a_node_that_joins_while_workers_start_for_another_gets_its_worker_at_on
     """A scale-up's nodes come seconds apart: the second node's worker starts as soon as it
     is seen, beside the first's (not once the first is up, a worker's start later), and the
     job grows once, onto both."""
-    d = spec(dp=2, pp=2, steps=10, grow_payback_s=0).model_dump(mode="json")
-    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
-    d["resources"]["memory_per_worker_mb"] = 0.6
-    s = parse_spec(d)
+    s = growth_spec(steps=10)
     ctl, group, cluster, record = controller(s, nodes=2)
     ctl.join_more_every_s = 0.0
     group.start_boundaries = 4  # a worker's start takes four steps here
@@ -203,10 +205,7 @@ def test_a_view_of_the_cluster_from_before_a_growths_workers_started_starts_no_m
     """The look for more slots reads the cluster watch's view of the last second: one taken
     before the growth's workers took their slots shows those slots free still, and must not
     start workers for them (they would wait for slots that do not exist, and fail the growth)."""
-    d = spec(dp=2, pp=2, steps=10, grow_payback_s=0).model_dump(mode="json")
-    d["model"]["args"]["layers"], d["parallelism"]["layer_costs_ms"] = 5, [10] * 6  # 3 slots: 1x3, 4: 2x2
-    d["resources"]["memory_per_worker_mb"] = 0.6
-    s = parse_spec(d)
+    s = growth_spec(steps=10)
     ctl, group, cluster, record = controller(s, nodes=2)
     ctl.join_more_every_s = 0.0
     group.start_boundaries = 4
