@@ -1,5 +1,6 @@
 # The two set-up commands (see README): `make example` and `make test`.
-# Both create .venv and install the project on first use.
+# Both create .venv and install the project on first use (scripts/install_venv.py: with uv,
+# which pip installs first, or with pip where uv fails).
 VENV  ?= .venv
 PY    := $(VENV)/bin/python
 STAMP := $(VENV)/.relaytrain-installed
@@ -11,8 +12,7 @@ CHROMIUM := /usr/bin/chromium
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c constraints.txt -e '.[test]'
+	$(PY) scripts/install_venv.py test
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -44,7 +44,7 @@ serve: $(STAMP)
 # bench/peers.py needs the `bench` extra (matplotlib, Ray Train's imports); `make test` does not.
 BENCH_STAMP := $(VENV)/.relaytrain-bench-installed
 $(BENCH_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt -e '.[bench]'
+	$(PY) scripts/install_venv.py bench
 	touch $(BENCH_STAMP)
 
 # relaytrain against torch.distributed.pipelining, Ray Train and one process (README, "Against
