@@ -33,7 +33,8 @@ class JobController:
     def __init__(self, job_id: str, spec: JobSpec, search: list[str], record: JobRecord, group: WorkerGroup,
                  keeper: StateKeeper, *, model_out: dict, save_index: Callable[[dict], None],
                  watch: Optional[NodeWatch] = None, reshaper: Callable[..., Reshaper] = Reshaper,
-                 cap: Optional[int] = None, traced: Optional[layerfacts.Layers] = None, restarts_used: int = 0):
+                 cap: Optional[int] = None, traced: Optional[layerfacts.Layers] = None, restarts_used: int = 0,
+                 finish_asked: Optional[str] = None):
         self.job_id, self.spec, self.search = job_id, spec, search
         self.record, self.group, self.keeper = record, group, keeper
         self.model_out, self.save_index = model_out, save_index  # where the final model's shards go
@@ -55,6 +56,8 @@ class JobController:
         self.cap = cap                               # workers the cluster scheduler allots (elastic; None: any)
         self.cap_reason = ""
         self.preempt_reason: Optional[str] = None    # the cluster scheduler asked it to give its slots back
+        self.last = spec.training.steps              # it ends after this many committed steps (sooner: finish_early)
+        self.finish_asked = finish_asked             # who asked it to end early, keeping the model as trained so far
         self.usable: Optional[list[int]] = None      # worker counts its planner uses whole (elastic)
         self.queued: Optional[tuple] = None          # (step, its calls, when the step before ended): sent early
         self.may_queue: Optional[Callable[[int], bool]] = None  # a further say on sending a step early (bench)
@@ -82,6 +85,12 @@ class JobController:
     def preempt(self, reason: str) -> None:
         """Stop at the next step boundary after a checkpoint, back to the queue."""
         self.preempt_reason = reason
+
+    def finish_early(self, who: str) -> None:
+        """End after the step under way (after the next one when none is): the model as
+        trained so far is written out as after the spec's last step, that step is evaluated
+        when the spec has an evaluation, and the job SUCCEEDS."""
+        self.finish_asked = who
 
     def run(self) -> None:
         state: State = Starting()
@@ -217,7 +226,7 @@ class JobController:
         return policy.Situation(kept=kept, free=free, current=cur, forced=forced, joined=joined,
                                 previous=self.group.shape,
                                 waited_s=time.monotonic() - since if since else 0.0, cap=self.cap,
-                                steps_left=self.spec.training.steps - self.record.step,
+                                steps_left=self.last - self.record.step,
                                 step_s=self.group.shape.step_s if cur else None)
 
     def _wait(self, d, since: Optional[float], again: Callable[[float], State], sit: policy.Situation,
@@ -256,9 +265,11 @@ class JobController:
     # ---------------------------------------------------------------- steps
 
     def _run_step(self, step: int) -> State:
-        if step >= self.spec.training.steps:
+        if step >= self.last:
             return Finishing()
         early = self.queued is not None and self.queued[0] == step  # sent while the step before ran
+        if self.finish_asked and not early:  # asked between steps (a reshape, a restart, a wait): this one is the last
+            self.last = min(self.last, step + 1)
         if self.preempt_reason is not None and not early:  # (a step already sent runs first)
             return self._preempted(step)
         if self.elastic:
@@ -280,12 +291,14 @@ class JobController:
             return self._restart(lost, [refs] + ([self.queued[1]] if self.queued else []))
         if self.queued is not None:
             self.queued = (*self.queued[:2], time.time())
+        elif self.finish_asked:  # this step is the last: its evaluation is the final one
+            self.last = min(self.last, step + 1)
         if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
             failure = JobFailure(f"the off-node copy of step {self.keeper.wanted} could not be fetched from "
                                  "the workers (a node is going)")
             return self._lost(step, refs, WorkerLost(failure, set(), time.time()))
         wall = time.time() - t0
-        eval_loss, lost = evaluation.run(self.group, self.record, self.spec, step, stats)
+        eval_loss, lost = evaluation.run(self.group, self.record, self.spec, step, stats, last=self.last)
         if early:
             stats[next(iter(stats))]["queued_early"] = True
         self._commit(step, stats, wall, eval_loss)  # the step stands even if its evaluation was lost
@@ -320,9 +333,9 @@ class JobController:
         step before (the worker applies its update as it starts), so the workers never wait
         for this scheduler between steps.  An elastic job keeps the round trip: a reshape or
         a lost worker must find every worker at a committed step."""
-        return (not self.elastic and step < self.spec.training.steps and self.preempt_reason is None
+        return (not self.elastic and step < self.last and self.preempt_reason is None and not self.finish_asked
                 and not self.cancelled.is_set() and not self.keeper.due(step, self.spec)
-                and not evaluation.due(self.spec, step) and (self.may_queue is None or self.may_queue(step)))
+                and not evaluation.due(self.spec, step, self.last) and (self.may_queue is None or self.may_queue(step)))
 
     def _preempted(self, step: int) -> State:
         """Give the slots back: a checkpoint of the committed steps, then back to the queue."""
@@ -401,7 +414,7 @@ class JobController:
         self.keeper.after_commit(step + 1, spec, rec, self.job_id)
 
     def _finish(self) -> State:
-        steps = self.spec.training.steps
+        steps = self.last
         try:
             self.final = self.keeper.write_final(steps, self.model_out)
         except JobFailure:
@@ -415,7 +428,11 @@ class JobController:
                                        exclude=set(), forced=True))
         self.save_index(self.final)
         last = next((r["loss"] for r in reversed(self.record.metrics) if r["loss"] is not None), None)
-        return Succeeded(f"job finished: {steps} steps, last loss {last:.6g}" if last is not None else "job finished")
+        loss = f", last loss {last:.6g}" if last is not None else ""
+        if steps < self.spec.training.steps:
+            return Succeeded(f"job finished early, as {self.finish_asked} asked: {steps} of "
+                             f"{self.spec.training.steps} steps{loss}", {"step": steps, "early": True})
+        return Succeeded(f"job finished: {steps} steps{loss}")
 
     # ---------------------------------------------------------------- elasticity
 

@@ -10,16 +10,18 @@ from actors.failures import WorkerLost
 from service.spec import JobSpec
 
 
-def due(spec: JobSpec, committed: int) -> bool:
+def due(spec: JobSpec, committed: int, last: Optional[int] = None) -> bool:
+    """``last``: the job's last step when it ends before the spec's (asked to finish early)."""
     e = spec.eval
-    return e is not None and (committed % e.every_steps == 0 or committed == spec.training.steps)
+    return e is not None and (committed % e.every_steps == 0 or committed == (last or spec.training.steps))
 
 
-def run(group, record, spec: JobSpec, step: int, stats: dict) -> tuple[Optional[float], Optional[WorkerLost]]:
+def run(group, record, spec: JobSpec, step: int, stats: dict,
+        last: Optional[int] = None) -> tuple[Optional[float], Optional[WorkerLost]]:
     """After 0-based ``step`` (committed by the caller either way): its eval loss when due,
     or the ``WorkerLost`` that ended the evaluation (an ``eval_skipped`` event says so; the
     workers applied the step before evaluating, so it stands)."""
-    if not due(spec, step + 1):
+    if not due(spec, step + 1, last):
         return None, None
     refs = group.call_all("run_eval", step + 1)
     try:

@@ -116,7 +116,8 @@ def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: 
                     detached: bool = False, **kwargs):
     """Create the job's named scheduler actor on the head node; ``kwargs`` go to
     ``JobScheduler`` (checkpoint_root, resume, timeout, start_timeout, store_url, model_dir,
-    rerun_through, allocation, traced: the model's trace when the caller made it)."""
+    rerun_through, allocation, traced: the model's trace when the caller made it, finish_asked:
+    who asked the job to finish early, before a restart)."""
     from actors.scheduler import JobScheduler
 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}

@@ -30,7 +30,8 @@ class JobScheduler:
     def __init__(self, job_id: str, spec: dict, search: list[str], checkpoint_root: Optional[str] = None,
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
                  store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None,
-                 rerun_through: int = 0, allocation: Optional[int] = None, traced=None, restarts_used: int = 0):
+                 rerun_through: int = 0, allocation: Optional[int] = None, traced=None, restarts_used: int = 0,
+                 finish_asked: Optional[str] = None):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -51,7 +52,7 @@ class JobScheduler:
         self.model_out = {"dir": model_dir} if model_dir else {"store": store_url}
         self.controller = JobController(job_id, self.spec, search, self.record, self.group, self.keeper,
                                         model_out=self.model_out, save_index=self._save_index, cap=allocation,
-                                        traced=traced, restarts_used=restarts_used)
+                                        traced=traced, restarts_used=restarts_used, finish_asked=finish_asked)
         self._started = False
         if detached:  # started by its creation, which Ray completes even if the control plane dies meanwhile
             self.start()
@@ -90,6 +91,11 @@ class JobScheduler:
 
     def cancel(self) -> bool:
         self.controller.cancelled.set()
+        return True
+
+    def finish_early(self, who: str) -> bool:
+        """End after the step under way, keeping the model as trained so far (SUCCEEDED)."""
+        self.controller.finish_early(who)
         return True
 
     def set_allocation(self, workers: int, reason: str) -> bool:

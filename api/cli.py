@@ -419,6 +419,11 @@ def _cancel(client, args):
 
 
 @_remote
+def _finish(client, args):
+    _print_job(client.finish(args.job))
+
+
+@_remote
 def _download(client, args):
     """The job's final model into --out: its safetensors shards, then its index (last, so a folder
     with the index is whole); or, with --single, one model.pt."""
@@ -545,6 +550,7 @@ def _remote_commands(sub) -> None:
     lg.add_argument("--tail", type=int, default=None, metavar="N", help="only the last N lines")
     lg.add_argument("-f", "--follow", action="store_true", help="print new lines as they come until the job ends")
     remote("cancel", _cancel, "cancel a job")
+    remote("finish", _finish, "end a training job after the step under way, keeping its model (it SUCCEEDS)")
     dl = remote("download", _download, "download a SUCCEEDED job's model: its safetensors shards and index")
     dl.add_argument("--out", required=True, metavar="DIR", help="folder to write the files into (created)")
     dl.add_argument("--single", action="store_true",

@@ -193,12 +193,14 @@ class JobManager:
         try:
             if env.get("working_dir"):
                 packages.ensure_in_cluster(env["working_dir"], self.settings.packages_dir)
-            used = len(self.store.events_of(job["id"], ["restarted"]))  # its scheduler's restarts count too
+            past = self.store.events_of(job["id"], ["restarted", "finish_requested"])
+            used = sum(e["type"] == "restarted" for e in past)  # its scheduler's restarts count too
+            finish = next((e.get("by") or job["tenant"] for e in past if e["type"] == "finish_requested"), None)
             actor = launch.start_scheduler(
                 job["id"], job["spec"], [], runtime_env=env, detached=True,
                 checkpoint_root=self.checkpoint_root(job), resume=resume, rerun_through=rerun_through,
                 start_timeout=self.settings.start_timeout_s, store_url=self.store.url, allocation=allocation,
-                restarts_used=used)
+                restarts_used=used, finish_asked=finish)
             ref = actor.start.remote()
         except Exception as e:
             self._starting.discard(job["id"])
@@ -280,6 +282,45 @@ class JobManager:
                 ray.kill(actor, no_restart=True)
             launch.release_placement_group(job_id)
             return self.get(tenant, job_id)
+        return self._until_ended(tenant, job_id, wait)
+
+    def finish(self, tenant: str, job_id: str, wait: float = 15.0) -> dict:
+        """End a training job after the step under way, keeping the model as trained so far:
+        it is written out, evaluated when the spec says so, and the job SUCCEEDS.  The request
+        is on record first: a scheduler lost meanwhile restarts from its newest checkpoint and
+        finishes after one step."""
+        import ray
+
+        job = self.get(tenant, job_id)
+        state = JobState(job["state"])
+        if state.is_terminal:
+            raise Conflict(f"job {job_id} already ended {state.value}; only a job that trains can be finished early")
+        if state is JobState.QUEUED:
+            raise Conflict(f"job {job_id} is QUEUED: it has no workers to write its model out; cancel it (its "
+                           "checkpoints stay where they are) or finish it once it runs")
+        if state is JobState.PENDING:
+            raise Conflict(f"job {job_id} has not started training: there is no model to keep yet; cancel it instead, "
+                           "or finish it once it is RUNNING")
+        past = self.store.events_of(job_id, ["cancel_requested", "finish_requested"])
+        if any(e["type"] == "cancel_requested" for e in past):
+            raise Conflict(f"job {job_id} is being cancelled; a cancel cannot be turned into a finish")
+        if not past:
+            self.store.add_events(job_id, [{"type": "finish_requested",
+                                            "message": f"finish requested by {tenant}: it ends after the step under "
+                                                       f"way (step {int(job.get('step') or 0) + 1}), keeping its model",
+                                            "by": tenant}])
+        actor = launch.find_scheduler(job_id)
+        if actor is not None:
+            try:
+                ray.get(actor.finish_early.remote(tenant), timeout=5)
+            except ray.exceptions.GetTimeoutError:  # busy: the request waits in its queue
+                return self.get(tenant, job_id)
+            except Exception:  # gone: reconcile restarts it, told to finish (see _launch)
+                pass
+        return self._until_ended(tenant, job_id, wait)
+
+    def _until_ended(self, tenant: str, job_id: str, wait: float) -> dict:
+        """The job once it has ended, or as it is after ``wait`` seconds."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline:
             job = self.get(tenant, job_id)

@@ -67,6 +67,10 @@ class Client:
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 
+    def finish(self, job_id: str) -> dict:
+        """End a training job after the step under way, keeping its model (it SUCCEEDS)."""
+        return self._call("POST", f"/v1/jobs/{job_id}/finish").json()
+
     def events(self, job_id: str, after: int = 0) -> list[dict]:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after}).json()
 

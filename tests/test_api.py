@@ -178,6 +178,48 @@ def test_cancel_running_job_stops_its_workers(server, ray_session):
     assert names() == []
 
 
+def test_finish_ends_a_job_after_the_step_under_way_keeping_and_evaluating_its_model(server):
+    """`relaytrain finish`: the job ends SUCCEEDED after the step under way; its model is the
+    one-process loop's after that many steps, and that last step is evaluated."""
+    from service.loading import build_loss
+
+    body = small_spec("to-finish", steps=100000, eval={"every_steps": 1000, "data": {"kind": "digits"}, "batches": 2})
+    with server.client() as c:
+        job = c.post("/v1/jobs", json=body).json()
+        wait_state(c, job["id"], {"RUNNING"})
+        deadline = time.monotonic() + 60
+        while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c.post(f"/v1/jobs/{job['id']}/finish", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
+    p = cli(server, "finish", job["id"])
+    assert p.returncode == 0 and job["id"] in p.stdout, p.stderr
+    with server.client() as c:
+        done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=60)
+        events = c.get(f"/v1/jobs/{job['id']}/events").json()
+        assert done["state"] == "SUCCEEDED", events
+        n = done["step"]
+        assert 3 <= n < 100000
+        [asked] = [e for e in events if e["type"] == "finish_requested"]
+        assert asked["message"].startswith("finish requested by alice: it ends after the step under way (step ")
+        assert events[-1]["type"] == "finished", events[-1]
+        assert events[-1]["message"].startswith(f"job finished early, as alice asked: {n} of 100000 steps, last loss ")
+        rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()
+        assert [r["step"] for r in rows] == list(range(1, n + 1))
+        got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
+        again = c.post(f"/v1/jobs/{job['id']}/finish")
+        assert again.status_code == 409 and "already ended SUCCEEDED" in again.json()["detail"], again.text
+    spec = parse_spec(body)
+    want, losses = reference.train(spec, steps=n)
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-4)
+    model = reference.build(spec)
+    model.load_state_dict(want)
+    evaluated = reference.evaluate(spec, model, reference.eval_data(spec), build_loss(spec))
+    assert [r.get("eval_loss") for r in rows][-1] == pytest.approx(evaluated, rel=1e-4)  # the last step's
+    assert all("eval_loss" not in r for r in rows[:-1])
+
+
 def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_it_in_order(server, ray_session):
     """A scheduler that answers the cancel late (here: paused with SIGSTOP for 8 s, as a busy or
     niced one would be) is not taken for a dead one: the job is not marked cancelled "before it
@@ -549,6 +591,8 @@ def test_cli_on_a_failing_job(server):
     assert job["id"] in ls.stdout
     cancel = cli(server, "cancel", job["id"])
     assert cancel.returncode == 1 and "HTTP 409" in cancel.stderr and "already ended FAILED" in cancel.stderr
+    finish = cli(server, "finish", job["id"])
+    assert finish.returncode == 1 and "HTTP 409" in finish.stderr and "already ended FAILED" in finish.stderr
     other = cli(server, "status", job["id"], token=BOB)
     assert other.returncode == 1 and "HTTP 404" in other.stderr
     # the peer's broken connection is a consequence, reported with the cause (the events): Ray

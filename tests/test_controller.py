@@ -269,6 +269,31 @@ def test_cancel_ends_the_job_between_steps():
     assert events(record, "cancelled")[0]["message"] == "job cancelled after 1 committed steps"
 
 
+def test_finish_early_ends_after_the_step_under_way_and_writes_that_model():
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step()
+    group.queue_step(before=lambda: ctl.finish_early("alice"))  # asked while step 2 runs
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == [1, 2]
+    [done] = events(record, "finished")
+    assert done["message"] == "job finished early, as alice asked: 2 of 6 steps, last loss 1"
+    assert done["step"] == 2 and done["early"] is True and ctl.final["metadata"]["step"] == 2
+
+
+def test_finish_asked_between_steps_runs_one_more_and_a_cancel_still_wins():
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    ctl.finish_early("bob")  # before any step (as after a restart): one step, then the end
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == [1]
+    assert events(record, "finished")[0]["message"].startswith("job finished early, as bob asked: 1 of 6 steps")
+    ctl, group, cluster, record = controller(s)
+    group.queue_step(before=lambda: (ctl.finish_early("alice"), ctl.cancelled.set()))
+    ctl.run()
+    assert record.state.value == "CANCELLED" and group.steps_run == [1] and not events(record, "finished")
+
+
 # ---------------------------------------------------------------- the policy alone, as a table
 
 def facts():

@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, inspect, cancel, follow and download jobs."""
+"""/v1/jobs: submit, list, inspect, cancel, finish early, follow and download jobs."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
@@ -50,6 +50,14 @@ def get_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
 def cancel_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
     """Stop a job at its next step boundary; 409 if it already ended."""
     return JobOut.from_row(manager.cancel(tenant, job_id))
+
+
+@router.post("/{job_id}/finish", response_model=JobOut, responses={**ERRORS, 409: {"model": ErrorOut}})
+def finish_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
+    """End a training job early, keeping its model: after the step under way the model is
+    written out (GET .../model), evaluated when the spec has `eval`, and the job SUCCEEDS;
+    409 if it is not training (QUEUED, PENDING, ended, or being cancelled)."""
+    return JobOut.from_row(manager.finish(tenant, job_id))
 
 
 @router.get("/{job_id}/events", response_model=list[EventOut], responses=ERRORS)
