@@ -427,9 +427,13 @@ class JobController:
             return Reshaping(move=Move("a worker was lost after the last step", keep=alive, donors=alive,
                                        exclude=set(), forced=True))
         self.save_index(self.final)
-        last = next((r["loss"] for r in reversed(self.record.metrics) if r["loss"] is not None), None)
+        early = steps < self.spec.training.steps
+        if early:
+            self.record.end_at(steps)
+        last = next((r["loss"] for r in reversed(self.record.metrics) if r["loss"] is not None and r["step"] <= steps),
+                    None)
         loss = f", last loss {last:.6g}" if last is not None else ""
-        if steps < self.spec.training.steps:
+        if early:
             return Succeeded(f"job finished early, as {self.finish_asked} asked: {steps} of "
                              f"{self.spec.training.steps} steps{loss}", {"step": steps, "early": True})
         return Succeeded(f"job finished: {steps} steps{loss}")

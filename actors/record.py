@@ -62,6 +62,15 @@ class JobRecord:
         with self._lock:
             self.step = committed
 
+    def end_at(self, committed: int) -> None:
+        """The job ends after ``committed`` steps, before its last (asked to finish early): the
+        store drops rows of later steps, committed before the state went back to an older copy
+        (``metrics`` keeps them: pollers index it; ``runner._follow`` drops them)."""
+        with self._lock:
+            self.step = committed
+        if self.sink:
+            self.sink.write(end_at=committed)
+
     def check_finite(self, row: dict) -> None:
         """A step whose gradient norm is not finite fails the job, or was skipped on every
         worker (training.skip_nonfinite): then a ``skipped_step`` event says so."""

@@ -48,6 +48,15 @@ class _Outputs:
         if rows:
             f.flush()
 
+    def end_at(self, step: int) -> None:
+        """The job finished early after ``step``, having gone back to an older copy on the way:
+        the rows of later steps it had committed before that go from metrics.jsonl."""
+        self.metrics.close()
+        path = self.out / "metrics.jsonl"
+        kept = [ln for ln in path.read_text().splitlines(keepends=True) if json.loads(ln)["step"] <= step]
+        path.write_text("".join(kept))
+        self.metrics = open(path, "a")
+
     def event(self, kind: str, message: str, **fields) -> dict:
         row = {"time": time.time(), "type": kind, "message": message, **fields}
         self.write(self.events, [row])
@@ -242,6 +251,10 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
         e_seen += len(snap["events"])
         if finished:
             final = ray.get(done_ref)  # the report, with the newest steps' timelines
+            end = final.get("step") or 0
+            if final.get("state") == "SUCCEEDED" and any(m["step"] > end for m in seen.metrics):  # finished early
+                seen.metrics = [m for m in seen.metrics if m["step"] <= end]
+                outputs.end_at(end)
             final.update(metrics=seen.metrics, events=sorted(seen.events + seen.ours, key=lambda e: e["time"]))
             return final
 

@@ -26,12 +26,16 @@ class StoreSink:
         self._state: Optional[tuple[JobState, Optional[str]]] = None
         self._timeline: Optional[dict] = None
         self._timeline_at = float("-inf")
+        self._end_at: Optional[int] = None
         self._lock = threading.Lock()
 
     def write(self, events=(), metrics=(), state: Optional[JobState] = None, error: Optional[str] = None,
-              timeline_entry: Optional[dict] = None, logs=(), **fields) -> None:
-        """Queue rows, job fields and a state change, then try to write everything queued."""
+              timeline_entry: Optional[dict] = None, logs=(), end_at: Optional[int] = None, **fields) -> None:
+        """Queue rows, job fields and a state change, then try to write everything queued;
+        ``end_at``: the job's last step (it finished early: rows after it go)."""
         with self._lock:
+            if end_at is not None:
+                self._end_at = end_at
             self._events += list(events)
             self._metrics += list(metrics)
             self._logs = (self._logs + list(logs))[-LOG_KEEP:]
@@ -47,6 +51,9 @@ class StoreSink:
                 if self._metrics:
                     self.store.add_metrics(self.job_id, self._metrics)
                     self._metrics = []
+                if self._end_at is not None:
+                    self.store.end_metrics_at(self.job_id, self._end_at)
+                    self._end_at = None
                 if self._logs:
                     self.store.add_logs(self.job_id, self._logs)
                     self._logs = []

@@ -306,8 +306,9 @@ class JobManager:
             raise Conflict(f"job {job_id} is being cancelled; a cancel cannot be turned into a finish")
         if not past:
             self.store.add_events(job_id, [{"type": "finish_requested",
-                                            "message": f"finish requested by {tenant}: it ends after the step under "
-                                                       f"way (step {int(job.get('step') or 0) + 1}), keeping its model",
+                                            "message": f"finish requested by {tenant} after {int(job.get('step') or 0)} "
+                                                       "committed steps: it ends after the step under way, keeping "
+                                                       "its model",
                                             "by": tenant}])
         actor = launch.find_scheduler(job_id)
         if actor is not None:

@@ -338,6 +338,15 @@ class Store:
                 else sa.func.greatest(jobs.c.step, last["step"]),
                 loss=last["loss"], samples_per_s=last["samples_per_s"]))
 
+    def end_metrics_at(self, job_id: str, step: int) -> None:
+        """The job ended after ``step`` (asked to finish early): rows of later steps, committed
+        before a restart went back to an older checkpoint, go, and its progress is that step's."""
+        with self.engine.begin() as c:
+            c.execute(metrics.delete().where(metrics.c.job_id == job_id, metrics.c.step > step))
+            row = c.execute(sa.select(metrics.c.data).where(metrics.c.job_id == job_id, metrics.c.step == step)).scalar()
+            c.execute(jobs.update().where(jobs.c.id == job_id).values(
+                step=step, **({"loss": row.get("loss"), "samples_per_s": row.get("samples_per_s")} if row else {})))
+
     def get_events(self, job_id: str, after: int = 0, limit: int = 1000) -> list[dict]:
         q = sa.select(events).where(events.c.job_id == job_id, events.c.id > after).order_by(events.c.id).limit(limit)
         with self.engine.connect() as c:

@@ -200,7 +200,8 @@ def test_finish_ends_a_job_after_the_step_under_way_keeping_and_evaluating_its_m
         n = done["step"]
         assert 3 <= n < 100000
         [asked] = [e for e in events if e["type"] == "finish_requested"]
-        assert asked["message"].startswith("finish requested by alice: it ends after the step under way (step ")
+        assert asked["message"].startswith("finish requested by alice after ")
+        assert asked["message"].endswith(" committed steps: it ends after the step under way, keeping its model")
         assert events[-1]["type"] == "finished", events[-1]
         assert events[-1]["message"].startswith(f"job finished early, as alice asked: {n} of 100000 steps, last loss ")
         rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()

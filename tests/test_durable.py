@@ -150,6 +150,34 @@ def test_a_job_on_s3_restarts_after_its_scheduler_is_lost(durable_server, ray_se
     assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(root)][-1] == steps
 
 
+def test_a_finish_asked_while_the_scheduler_is_lost_is_kept_by_its_restart(durable_server, ray_session, tmp_path):
+    """The finish is on record before the scheduler is asked: the restarted scheduler resumes from
+    the newest checkpoint, runs one step and finishes, with the one-process loop's model."""
+    body = spec_dict("finish-lost", 100000, str(tmp_path / "ckpt"), every=3, most=1)
+    with durable_server.client() as c:
+        job = c.post("/v1/jobs", json=body).json()
+        def past_a_checkpoint():  # 2 steps past it: rows a restart's finish must drop
+            seen = c.get(f"/v1/jobs/{job['id']}").json()
+            return seen["checkpoint"] and seen["step"] >= seen["checkpoint"]["step"] + 2
+        until(past_a_checkpoint)
+        _kill_scheduler(ray_session, job["id"])
+        killed_at = c.get(f"/v1/jobs/{job['id']}").json()["step"]
+        r = c.post(f"/v1/jobs/{job['id']}/finish")
+        assert r.status_code == 200, r.text
+        done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
+        evs = _events(c, job["id"])
+        assert done["state"] == "SUCCEEDED", evs
+        [restarted] = [e for e in evs if e["type"] == "restarted"]
+        assert done["step"] == restarted["from_step"] + 1, (done["step"], restarted, killed_at)
+        assert evs[-1]["message"].startswith(f"job finished early, as alice asked: {done['step']} of 100000 steps")
+        rows = c.get(f"/v1/jobs/{job['id']}/metrics").json()
+        got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{job['id']}/model").content))
+    assert [r["step"] for r in rows] == list(range(1, done["step"] + 1))
+    want, _ = reference.train(parse_spec(body), steps=done["step"])
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+
+
 def test_a_second_loss_after_the_restarts_are_used_up_fails_the_job(durable_server, ray_session, tmp_path):
     body = spec_dict("once", 100000, str(tmp_path / "ckpt"), every=1, most=1)
     with durable_server.client() as c:

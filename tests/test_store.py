@@ -100,6 +100,16 @@ def test_metrics_once_per_step_and_progress(store):
     assert store.get_metrics("m", after_step=1)[0]["step"] == 2
 
 
+def test_a_job_that_finished_early_after_a_restart_keeps_the_rows_up_to_its_end(store):
+    store.create_job("f", "alice", SPEC)
+    store.add_metrics("f", [{"step": s, "loss": 1.0 / s, "samples_per_s": 10.0 + s} for s in range(1, 6)])
+    store.add_metrics("f", [{"step": 3, "loss": 0.25, "samples_per_s": 20.0, "rerun": True}])  # resumed from step 2
+    store.end_metrics_at("f", 3)  # and finished after step 3
+    assert [(r["step"], r["loss"]) for r in store.get_metrics("f")] == [(1, 1.0), (2, 0.5), (3, 0.25)]
+    job = store.get_job("f")
+    assert (job["step"], job["loss"], job["samples_per_s"]) == (3, 0.25, 20.0)
+
+
 def test_events_in_order_with_data(store):
     store.create_job("e", "alice", SPEC)
     store.add_events("e", [{"type": "started", "message": "go"}, {"type": "shape", "message": "2x2", "dp": 2}])

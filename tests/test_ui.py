@@ -34,7 +34,7 @@ def server(ray_session, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def job(server):
-    """A 2x2 1F1B job that trains until cancelled, once its first timelines are kept."""
+    """A 2x2 1F1B job that trains until the page finishes it, once its first timelines are kept."""
     # wide enough that an action's compute (~1 ms) shows beside the hops between stages
     spec = small_spec("swimlane", steps=100000, parallelism={"dp": DP, "pp": PP, "schedule": "1f1b"},
                       model={"kind": "mlp", "args": {"hidden": 768, "layers": 3}},
@@ -142,7 +142,7 @@ def listed(page, job_id: str):
     return row
 
 
-def test_web_page_shows_the_job_and_cancels_it(server, job):
+def test_web_page_shows_the_job_and_finishes_it(server, job):
     sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE WEB PAGE WAS NOT TESTED: the playwright "
                                    "package is missing (pip install -e '.[test]') !!!")
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
@@ -172,15 +172,18 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             assert page.locator("#job-restarts-note").inner_text() == "1 left"
             page.wait_for_selector("#job-checkpoint[data-step]")
             assert page.locator("#cancel").is_enabled()
-            page.locator("#cancel").click()
-            page.wait_for_selector('#view-job[data-state="CANCELLED"]')
+            assert page.locator("#finish").is_enabled()
+            page.locator("#finish").click()  # "Finish now": it ends after the step under way, keeping its model
+            page.wait_for_selector('#view-job[data-state="SUCCEEDED"]')
             page.wait_for_function("() => document.querySelector('#cancel').disabled")
+            page.wait_for_function("() => document.querySelector('#finish').disabled")
 
             with server.client() as c:
                 job_row = c.get(f"/v1/jobs/{job}").json()
                 rows = c.get(f"/v1/jobs/{job}/metrics").json()
                 tl = c.get(f"/v1/jobs/{job}/timeline").json()
-            assert job_row["state"] == "CANCELLED"
+                assert c.get(f"/v1/jobs/{job}/model/files").status_code == 200
+            assert job_row["state"] == "SUCCEEDED"
             # the swimlane of the job's newest kept step: a lane per worker, a box per action
             page.wait_for_selector(f'#swimlane svg[data-step="{tl["step"]}"]')
             lanes = page.locator("#swimlane svg g[data-lane]")
@@ -210,8 +213,10 @@ def test_web_page_shows_the_job_and_cancels_it(server, job):
             assert page.locator("#shape tbody tr[data-worker='w1.1']").get_attribute("data-node") == \
                 job_row["shape"]["workers"]["w1.1"]
             kinds = page.eval_on_selector_all("#events li", "ls => ls.map(l => l.dataset.type)")
-            assert kinds[0] == "submitted" and "shape" in kinds and kinds[-1] == "cancelled"
+            assert kinds[0] == "submitted" and "shape" in kinds and kinds[-1] == "finished" and "finish_requested" in kinds
             assert "checkpoint" in kinds
+            assert page.locator('#events li[data-type="finished"]').inner_text().count(
+                f"job finished early, as alice asked: {job_row['step']} of 100000 steps") == 1
             ck = job_row["checkpoint"]
             assert job_row["restarts"] == 0 and ck["step"] % 5 == 0 and job in ck["path"]
             assert page.locator("#job-checkpoint").inner_text() == f"step {ck['step']}"
@@ -637,6 +642,7 @@ def test_web_page_shows_the_queue_and_the_cluster(server, queued_jobs):
             assert page.locator("#shape-summary").inner_text().startswith("The job is queued")
             assert page.locator("#live").inner_text() == "live"
             assert page.locator("#cancel").is_enabled()
+            assert page.locator("#finish").is_disabled()  # nothing trained yet: nothing to keep
             assert page.eval_on_selector_all("#events li", "ls => ls.map(l => l.dataset.type)") == ["submitted"]
             page.screenshot(path=str(ARTIFACTS / "ui-queue-job.png"), full_page=True)
 

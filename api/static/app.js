@@ -6,6 +6,7 @@
 const TOKEN_KEY = "relaytrain.token";
 const SVG_NS = "http://www.w3.org/2000/svg";
 const TERMINAL = new Set(["SUCCEEDED", "FAILED", "CANCELLED"]);  // QUEUED is active: it may be cancelled
+const TRAINING = new Set(["RUNNING", "RESHAPING"]);  // it may be told to finish early
 const POLL_MS = { list: 2000, active: 1500, ended: 15000 };
 
 const $ = (sel, root = document) => root.querySelector(sel);
@@ -323,8 +324,10 @@ function drawJobHead(job) {
   drawDurability(job);
   $("#job-error").hidden = !job.error;
   $("#job-error").textContent = job.error || "";
-  const cancel = $("#cancel");
+  const cancel = $("#cancel"), finish = $("#finish");
   if (!cancel.dataset.busy) cancel.disabled = TERMINAL.has(job.state);
+  // only a job that trains has a model to keep (the server answers 409 otherwise)
+  if (!finish.dataset.busy) finish.disabled = !TRAINING.has(job.state);
   document.title = `${job.name} · ${job.state} · relaytrain`;
 }
 
@@ -808,26 +811,35 @@ function lineChart(box, rows, key, { color, fmt, reshapes = [], skipped = [], id
   };
 }
 
-// ------------------------------------------------------------------ cancel
+// ------------------------------------------------------------------ cancel, finish now
 
-$("#cancel").addEventListener("click", async () => {
-  const v = view;
-  if (!v || v.kind !== "job" || !v.job) return;
-  const how = v.job.state === "QUEUED" ? "It leaves the queue." : "It stops at its next step boundary.";
-  if (!confirm(`Cancel job ${v.job.id}? ${how}`)) return;
-  const button = $("#cancel");
-  button.disabled = true;
-  button.dataset.busy = "1";
-  button.textContent = "Cancelling…";
-  try {
-    await api(`/v1/jobs/${encodeURIComponent(v.id)}/cancel`, { method: "POST" });
-  } catch (e) {
-    if (e.status !== 401) showBanner(`Could not cancel: ${e.message}`);
-  } finally {
-    delete button.dataset.busy;
-    button.textContent = "Cancel job";
-  }
-  if (view === v) { stop(); refreshJob(generation); }
-});
+// A button that POSTs the job's `action` once the user confirms (`question(job)`), saying `busy` meanwhile.
+function jobAction(id, action, question, busy, failed) {
+  const button = $(id);
+  const label = button.textContent;
+  button.addEventListener("click", async () => {
+    const v = view;
+    if (!v || v.kind !== "job" || !v.job) return;
+    if (!confirm(question(v.job))) return;
+    button.disabled = true;
+    button.dataset.busy = "1";
+    button.textContent = busy;
+    try {
+      await api(`/v1/jobs/${encodeURIComponent(v.id)}/${action}`, { method: "POST" });
+    } catch (e) {
+      if (e.status !== 401) showBanner(`${failed}: ${e.message}`);
+    } finally {
+      delete button.dataset.busy;
+      button.textContent = label;
+    }
+    if (view === v) { stop(); refreshJob(generation); }
+  });
+}
+
+jobAction("#cancel", "cancel", (job) => `Cancel job ${job.id}? ` +
+  (job.state === "QUEUED" ? "It leaves the queue." : "It stops at its next step boundary."),
+  "Cancelling…", "Could not cancel");
+jobAction("#finish", "finish", (job) => `Finish job ${job.id} now? It ends after the step under way and keeps ` +
+  "its model as trained so far (SUCCEEDED).", "Finishing…", "Could not finish");
 
 route();
