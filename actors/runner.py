@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -112,9 +114,10 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                 runtime_env=launch.upload_runtime_env(launch.job_runtime_env(spec, spec_dir)),
                 checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
                 store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through,
-                traced=traced, restarts_used=used + seen.restarts)
+                traced=traced, restarts_used=used + seen.restarts, finish_asked=seen.finishing)
             try:
-                final = _follow(sched, sched.run.remote(), outputs, seen)
+                with _Interrupts(seen):
+                    final = _follow(sched, sched.run.remote(), outputs, seen)
                 break
             except ray.exceptions.RayActorError:  # the scheduler was lost: restart it, or say why not
                 resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen, outputs, store, job_id)
@@ -193,6 +196,7 @@ class _Seen:
         self.ours: list[dict] = []    # this command's own (a restart of a lost scheduler)
         self.metrics: list[dict] = []
         self.committed = 0   # the most steps ever committed
+        self.finishing: Optional[str] = None  # who asked the job to finish early (a first Ctrl-C)
         self.bar = None
         if progress:
             from tqdm import tqdm
@@ -226,6 +230,29 @@ class _Seen:
             self.bar.close()
 
 
+class _Interrupts:
+    """Ctrl-C while a job trains (in the main thread): the first, once a step has committed,
+    asks the job to finish after the step under way, keeping its model (``_follow`` tells the
+    scheduler); the next, or one before any step, stops it as before (KeyboardInterrupt)."""
+
+    def __init__(self, seen: "_Seen"):
+        self.seen, self.before = seen, None
+
+    def __enter__(self) -> "_Interrupts":
+        if threading.current_thread() is threading.main_thread():
+            self.before = signal.signal(signal.SIGINT, self._on)
+        return self
+
+    def _on(self, signum, frame) -> None:
+        if self.seen.finishing or not self.seen.committed:
+            raise KeyboardInterrupt
+        self.seen.finishing = "its user (Ctrl-C)"
+
+    def __exit__(self, *exc) -> None:
+        if self.before is not None:
+            signal.signal(signal.SIGINT, self.before)
+
+
 def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
     """Copy the scheduler's new metrics and events to the files until it ends; raises Ray's
     actor error when the scheduler is lost."""
@@ -233,9 +260,10 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
 
     m_seen = e_seen = 0
     unavailable_since = None
+    told = bool(seen.finishing)  # a restarted scheduler was told when it was started
     while True:
-        finished = bool(ray.wait([done_ref], timeout=0.2)[0])
         try:
+            finished = bool(ray.wait([done_ref], timeout=0.2)[0])
             snap = ray.get(sched.poll.remote(m_seen, e_seen))
             unavailable_since = None
         except ray.exceptions.ActorUnavailableError:  # maybe a passing network fault: dead only when it stays
@@ -244,6 +272,11 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
                 raise
             time.sleep(1.0)
             continue
+        if seen.finishing and not told:  # a first Ctrl-C (see _Interrupts)
+            committed = ray.get(sched.finish_early.remote(seen.finishing), timeout=10)
+            told = True
+            print(f"\nrelaytrain: finishing after the step under way ({committed} committed), keeping the "
+                  "model; Ctrl-C again stops it at once", file=sys.stderr)
         outputs.write(outputs.metrics, snap["metrics"])
         outputs.write(outputs.events, snap["events"])
         seen.add(snap)

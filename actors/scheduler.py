@@ -93,10 +93,11 @@ class JobScheduler:
         self.controller.cancelled.set()
         return True
 
-    def finish_early(self, who: str) -> bool:
-        """End after the step under way, keeping the model as trained so far (SUCCEEDED)."""
+    def finish_early(self, who: str) -> int:
+        """End after the step under way, keeping the model as trained so far (SUCCEEDED);
+        returns the steps committed so far."""
         self.controller.finish_early(who)
-        return True
+        return self.record.step
 
     def set_allocation(self, workers: int, reason: str) -> bool:
         """The cluster scheduler's allotment (api/cluster.py); True when it changed."""

@@ -133,8 +133,9 @@ def _run(args) -> int:
         print("relaytrain: interrupted; the job was stopped", file=sys.stderr)
         return 130
     last = final["metrics"][-1] if final.get("metrics") else None
-    print(f"relaytrain: {final['state']}: {final['step']} steps" + (f", last loss {last['loss']:.6g}" if last else "")
-          + f"; model in {final.get('model', args.out)}")
+    early = final.get("steps") and final["step"] < final["steps"]  # told to finish (a first Ctrl-C, or the server)
+    print(f"relaytrain: {final['state']}: {final['step']} steps" + (f" of {final['steps']}, finished early" if early else "")
+          + (f", last loss {last['loss']:.6g}" if last else "") + f"; model in {final.get('model', args.out)}")
     return 0
 
 

@@ -160,20 +160,42 @@ def test_cli_run_end_to_end(ray_session, tmp_path):
     assert list(sd) == list(mlp(hidden=32, layers=2).state_dict())
 
 
-def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores(tmp_path):
+def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores_and_a_ctrl_c_that_finishes_it(tmp_path):
     """No --ray-address: `relaytrain run` starts (and stops) a local Ray; --local-cpus 4 lets a
-    2x2 job run on this 2-core machine."""
+    2x2 job run on this 2-core machine.  A Ctrl-C once it trains finishes it after the step under
+    way: exit 0, SUCCEEDED, the one-process loop's model after the steps it ran."""
+    import signal
+
+    from service.spec import load_spec
+
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text(
         "name: local-job\nmodel: {kind: mlp, args: {hidden: 16, layers: 2}}\ndata: {kind: digits}\n"
-        "training: {global_batch_size: 32, microbatch_size: 8, steps: 3}\n"
+        "training: {global_batch_size: 32, microbatch_size: 8, steps: 100000}\n"
         "parallelism: {dp: 2, pp: 2, transport: collective}\n")
     out = tmp_path / "out"
-    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out),
-                        "--local-cpus", "4", "--no-progress"], capture_output=True, text=True, timeout=240)
-    assert p.returncode == 0, p.stderr
-    assert "SUCCEEDED: 3 steps" in p.stdout
-    assert [json.loads(x)["dp"] for x in open(out / "metrics.jsonl")] == [2, 2, 2]
+    p = subprocess.Popen([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out),
+                          "--local-cpus", "4", "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").exists() or len(open(out / "metrics.jsonl").readlines()) < 3:
+            assert p.poll() is None and time.monotonic() < deadline, p.communicate()
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        stdout, stderr = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 0, stderr
+    assert "relaytrain: finishing after the step under way (" in stderr
+    assert "Ctrl-C again stops it at once" in stderr
+    n = int(re.search(r"SUCCEEDED: (\d+) steps of 100000, finished early, last loss ", stdout)[1])
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    assert [r["step"] for r in rows] == list(range(1, n + 1)) and {r["dp"] for r in rows} == {2}
+    want, _ = reference.train(load_spec(str(spec_file)), steps=n)
+    got = torch.load(out / "model.pt")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
 
 
 def test_cli_run_bad_spec_says_one_sentence(tmp_path):
