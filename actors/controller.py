@@ -270,7 +270,8 @@ class JobController:
         early = self.queued is not None and self.queued[0] == step  # sent while the step before ran
         if self.finish_asked and not early:  # asked between steps (a reshape, a restart, a wait): this one is the last
             self.last = min(self.last, step + 1)
-        if self.preempt_reason is not None and not early:  # (a step already sent runs first)
+        if self.preempt_reason is not None and not early and not self.finish_asked:  # (a step sent runs first;
+            # a job told to finish frees its slots after one more step, with its model)
             return self._preempted(step)
         if self.elastic:
             move = self._at_boundary(step)
@@ -429,6 +430,7 @@ class JobController:
         self.save_index(self.final)
         early = steps < self.spec.training.steps
         if early:
+            self.keeper.finish_writing()  # a checkpoint under way lands (its event before the end), as on a cancel
             self.record.end_at(steps)
         last = next((r["loss"] for r in reversed(self.record.metrics) if r["loss"] is not None and r["step"] <= steps),
                     None)
@@ -445,7 +447,7 @@ class JobController:
         view = self.watch.view
         stay_s, stay_step = self.drain_stay
         drain = self.reshaper.off_draining(view) if time.monotonic() >= stay_s and step != stay_step else None
-        return drain or self._shrink() or self._grow(view)
+        return drain or self._shrink() or (None if self.finish_asked else self._grow(view))  # no growth for a last step
 
     def _shrink(self) -> Optional[Move]:
         """Above the cluster scheduler's allotment: keep that many workers (whole replicas

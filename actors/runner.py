@@ -273,7 +273,10 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
             time.sleep(1.0)
             continue
         if seen.finishing and not told:  # a first Ctrl-C (see _Interrupts)
-            committed = ray.get(sched.finish_early.remote(seen.finishing), timeout=10)
+            try:
+                committed = ray.get(sched.finish_early.remote(seen.finishing), timeout=10)
+            except ray.exceptions.GetTimeoutError:  # busy: asked again at the next poll
+                continue
             told = True
             print(f"\nrelaytrain: finishing after the step under way ({committed} committed), keeping the "
                   "model; Ctrl-C again stops it at once", file=sys.stderr)

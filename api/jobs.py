@@ -298,7 +298,7 @@ class JobManager:
         if state is JobState.QUEUED:
             raise Conflict(f"job {job_id} is QUEUED: it has no workers to write its model out; cancel it (its "
                            "checkpoints stay where they are) or finish it once it runs")
-        if state is JobState.PENDING:
+        if state is JobState.PENDING and not job.get("step"):  # (a restart starting again: it has a model)
             raise Conflict(f"job {job_id} has not started training: there is no model to keep yet; cancel it instead, "
                            "or finish it once it is RUNNING")
         past = self.store.events_of(job_id, ["cancel_requested", "finish_requested"])

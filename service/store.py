@@ -343,6 +343,7 @@ class Store:
         before a restart went back to an older checkpoint, go, and its progress is that step's."""
         with self.engine.begin() as c:
             c.execute(metrics.delete().where(metrics.c.job_id == job_id, metrics.c.step > step))
+            c.execute(timelines.delete().where(timelines.c.job_id == job_id, timelines.c.step > step))
             row = c.execute(sa.select(metrics.c.data).where(metrics.c.job_id == job_id, metrics.c.step == step)).scalar()
             c.execute(jobs.update().where(jobs.c.id == job_id).values(
                 step=step, **({"loss": row.get("loss"), "samples_per_s": row.get("samples_per_s")} if row else {})))

@@ -294,6 +294,14 @@ def test_finish_asked_between_steps_runs_one_more_and_a_cancel_still_wins():
     assert record.state.value == "CANCELLED" and group.steps_run == [1] and not events(record, "finished")
 
 
+def test_a_finish_is_not_turned_into_a_preemption():
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    group.queue_step(before=lambda: (ctl.preempt("another job"), ctl.finish_early("alice")))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and group.steps_run == [1] and not events(record, "preempted")
+
+
 # ---------------------------------------------------------------- the policy alone, as a table
 
 def facts():

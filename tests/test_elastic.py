@@ -407,7 +407,9 @@ def test_without_a_current_copy_the_steps_since_the_checkpoint_are_rerun(cluster
     assert reshape["restored_from"].startswith("checkpoint ") and restored % 8 == 0
     assert reshape["step"] == restored + 1
     reruns = [m["step"] for m in result["metrics"] if m.get("rerun")]
-    assert len(reruns) == reshape["steps_lost"] and reruns == list(range(restored + 1, restored + 1 + len(reruns)))
+    # (told to finish a few steps after the reshape, the job may end before its re-runs catch up)
+    assert len(reruns) == min(reshape["steps_lost"], result["step"] - restored)
+    assert reruns == list(range(restored + 1, restored + 1 + len(reruns)))
 
 
 def test_a_fixed_shape_job_that_loses_a_node_restarts_on_another_and_keeps_its_live_worker(cluster, tmp_path):

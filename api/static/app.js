@@ -327,7 +327,7 @@ function drawJobHead(job) {
   const cancel = $("#cancel"), finish = $("#finish");
   if (!cancel.dataset.busy) cancel.disabled = TERMINAL.has(job.state);
   // only a job that trains has a model to keep (the server answers 409 otherwise)
-  if (!finish.dataset.busy) finish.disabled = !TRAINING.has(job.state);
+  if (!finish.dataset.busy) finish.disabled = !(TRAINING.has(job.state) || (job.state === "PENDING" && job.step > 0));
   document.title = `${job.name} · ${job.state} · relaytrain`;
 }
 
