@@ -291,6 +291,10 @@ async function refreshJob(gen) {
     showBanner("");
     drawJobHead(job);
     await loadMetrics(v);
+    if (TERMINAL.has(job.state) && job.step < v.lastStep) {  // finished early after a restart went back: the
+      v.metrics = v.metrics.filter((r) => r.step <= job.step);  // rows past its end are gone from the server too
+      v.lastStep = job.step;
+    }
     await loadEvents(v);
     await loadOutput(v);
     if (gen !== generation) return;
