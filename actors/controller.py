@@ -268,8 +268,6 @@ class JobController:
         if step >= self.last:
             return Finishing()
         early = self.queued is not None and self.queued[0] == step  # sent while the step before ran
-        if self.finish_asked and not early:  # asked between steps (a reshape, a restart, a wait): this one is the last
-            self.last = min(self.last, step + 1)
         if self.preempt_reason is not None and not early and not self.finish_asked:  # (a step sent runs first;
             # a job told to finish frees its slots after one more step, with its model)
             return self._preempted(step)
@@ -292,8 +290,8 @@ class JobController:
             return self._restart(lost, [refs] + ([self.queued[1]] if self.queued else []))
         if self.queued is not None:
             self.queued = (*self.queued[:2], time.time())
-        elif self.finish_asked:  # this step is the last: its evaluation is the final one
-            self.last = min(self.last, step + 1)
+        elif self.finish_asked:  # asked before or during it, and no later step was sent: this step is the
+            self.last = min(self.last, step + 1)  # last, and its evaluation the final one
         if self.elastic and self.spec.elastic.snapshot_every_steps and not self.keeper.snapshot_landed():
             failure = JobFailure(f"the off-node copy of step {self.keeper.wanted} could not be fetched from "
                                  "the workers (a node is going)")
