@@ -11,6 +11,7 @@ spec's ``restarts.max`` allows (service/restarts.py), as a submitted job does.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import signal
 import sys
@@ -56,7 +57,9 @@ class _Outputs:
         self.metrics.close()
         path = self.out / "metrics.jsonl"
         kept = [ln for ln in path.read_text().splitlines(keepends=True) if json.loads(ln)["step"] <= step]
-        path.write_text("".join(kept))
+        part = path.with_name(path.name + ".part")  # whole or not at all: a crash here leaves the old file
+        part.write_text("".join(kept))
+        os.replace(part, path)
         self.metrics = open(path, "a")
 
     def event(self, kind: str, message: str, **fields) -> dict:

@@ -206,14 +206,15 @@ class JobManager:
             self._starting.discard(job["id"])
             self._fail(job["id"], f"could not start the job's scheduler: {type(e).__name__}: {e}")
             return
-        threading.Thread(target=self._watch_start, args=(job["id"], ref), daemon=True).start()
+        threading.Thread(target=self._watch_start, args=(job["id"], ref, actor, finish is not None),
+                         daemon=True).start()
 
     def checkpoint_root(self, job: dict) -> Optional[str]:
         """Where a submitted job's checkpoints go (service/restarts.py)."""
         return restarts.checkpoint_root(JobSpec.model_validate(job["spec"]), home=self.settings.home,
                                         tenant=job["tenant"], job_id=job["id"])
 
-    def _watch_start(self, job_id: str, ref) -> None:
+    def _watch_start(self, job_id: str, ref, actor, told_to_finish: bool) -> None:
         import ray
 
         try:
@@ -221,8 +222,16 @@ class JobManager:
         except Exception as e:
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             self._fail(job_id, f"the job's scheduler did not start: {reason}")
+            return
         finally:
             self._starting.discard(job_id)
+        if not told_to_finish:  # a finish asked after _launch read the events, before the actor was found
+            asked = self.store.events_of(job_id, ["finish_requested"])
+            if asked:
+                try:
+                    ray.get(actor.finish_early.remote(asked[0].get("by") or "its tenant"), timeout=30)
+                except Exception:  # ended or lost meanwhile: its restart reads the event
+                    pass
 
     def _fail(self, job_id: str, reason: str) -> None:
         if self.store.set_state(job_id, JobState.FAILED, error=reason):

@@ -178,6 +178,40 @@ def test_a_finish_asked_while_the_scheduler_is_lost_is_kept_by_its_restart(durab
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
 
 
+def test_a_finish_that_lands_while_the_scheduler_is_being_started_is_passed_on(ray_session, tmp_path):
+    """A finish written to the store just after the control plane read the job's events to start
+    its scheduler, before the scheduler could be found by name, reaches it once it has started
+    (the control plane in this process, its store SQLite; the request's moment forced)."""
+    from api.jobs import JobManager
+    from service.settings import Settings
+    from service.store import Store
+
+    settings = Settings(home=tmp_path / "home", queue_policy="fifo")
+    settings.home.mkdir()
+    store = Store(settings.db_url)
+    read = store.events_of
+
+    def events_of(job_id, types):  # the request lands the moment after _launch read the events
+        seen = read(job_id, types)
+        if "finish_requested" in types and not seen:
+            store.add_events(job_id, [{"type": "finish_requested", "message": "finish requested by alice", "by": "alice"}])
+        return seen
+
+    store.events_of = events_of
+    manager = JobManager(settings, store)
+    job, _ = manager.submit("alice", parse_spec(spec_dict("finish-race", 100000, "ckpt", every=0, most=0)))
+    try:
+        done = until(lambda: store.get_job(job["id"])["state"] in ("SUCCEEDED", "FAILED") and store.get_job(job["id"]),
+                     timeout=90, what="the job to end")
+    finally:
+        actor = launch.find_scheduler(job["id"])
+        if actor is not None and store.get_job(job["id"])["state"] not in ("SUCCEEDED", "FAILED"):
+            actor.cancel.remote()
+    assert done["state"] == "SUCCEEDED" and done["step"] < 100000, done
+    last = read(job["id"], ["finished"])[-1]["message"]
+    assert last.startswith(f"job finished early, as alice asked: {done['step']} of 100000 steps"), last
+
+
 def test_a_second_loss_after_the_restarts_are_used_up_fails_the_job(durable_server, ray_session, tmp_path):
     body = spec_dict("once", 100000, str(tmp_path / "ckpt"), every=1, most=1)
     with durable_server.client() as c:

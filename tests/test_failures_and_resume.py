@@ -254,6 +254,14 @@ def test_a_new_run_starts_its_output_files_anew_and_a_resume_continues_them(tmp_
     assert run(False, [1, 2]) == [1, 2]  # not the previous run's rows and then these
     assert run(True, [3, 4]) == [1, 2, 3, 4]
     assert len(open(tmp_path / "events.jsonl").readlines()) == 2
+    # finished early at step 2 after going back to an older copy: the later rows go, the file is
+    # replaced whole (no .part left), and rows written after it follow step 2
+    o = _Outputs(tmp_path, append=True)
+    o.end_at(2)
+    o.write(o.metrics, [{"step": 2, "again": True}])
+    o.close()
+    assert [json.loads(x)["step"] for x in open(tmp_path / "metrics.jsonl")] == [1, 2, 2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["events.jsonl", "metrics.jsonl"]
 
 
 def test_a_multi_line_key_error_keeps_its_lines():
