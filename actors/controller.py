@@ -7,6 +7,7 @@ says Keep, Reshape, Wait or Fail from what the controller sees; the worker group
 calls, the reshaper moves state, the state keeper holds the copies, the record reports."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import traceback
@@ -524,6 +525,8 @@ class JobController:
             sit = self._situation(kept=sit.kept, exclude=move.exclude, forced=move.forced,
                                   since=state.waited_since, joined=joined)
             d = policy.decide(sit, self.spec, self.layers.facts)
+        if isinstance(d, (policy.Wait, policy.Fail)) and move.forced and not move.draining and self._release(move, sit):
+            return Reshaping(move=move, attempt=state.attempt, waited_since=state.waited_since)
         if move.draining and isinstance(d, (policy.Wait, policy.Fail)):
             return self._train_on_draining(move, d)
         if isinstance(d, (policy.Wait, policy.Fail)):
@@ -556,6 +559,29 @@ class JobController:
         if move.steps_lost:  # the rows of the lost steps stay; their re-runs come again, marked rerun
             self.record.go_back(move.committed)
         return Running(move.committed)
+
+    def _release(self, move: Move, sit: policy.Situation) -> bool:
+        """A reshape after a loss that would wait for slots its own live workers hold (ones it
+        cannot keep: stuck in their step, or in a tensor-parallel group that lost a member), when
+        those slots would let it go on: their state comes to the scheduler and they are stopped
+        (``Reshaper.release_held``).  True when it did so (the reshape then plans again)."""
+        held = self.reshaper.held(move)
+        if not held:
+            return False
+        freed = dataclasses.replace(sit, free=sit.free + len(held))  # at most: a TP group needs its node's slots
+        if isinstance(policy.decide(freed, self.spec, self.layers.facts), (policy.Wait, policy.Fail)):
+            return False
+        stuck = sorted(cell_name(c) for c in held if c not in move.keep)
+        broken = sorted(cell_name(c) for c in held if c in move.keep)
+        why = "; ".join(x for x in (f"{_listed(stuck)} still in the aborted step" if stuck else "",
+                                    f"{_listed(broken)} in a tensor-parallel group that lost a member" if broken else "")
+                        if x)
+        self.reshaper.release_held(move, self.record.step)
+        self.record.event("released", f"stopped {_listed(sorted(cell_name(c) for c in held))} ({why}) to free "
+                          f"{'its' if len(held) == 1 else 'their'} slots for the reshape; the state only "
+                          f"{'it' if len(held) == 1 else 'they'} held was taken to the scheduler first",
+                          workers=sorted(cell_name(c) for c in held), step=self.record.step)
+        return True
 
     def _train_on_draining(self, move: Move, d) -> State:
         """Nowhere to move off draining nodes: their workers train on until a slot frees up

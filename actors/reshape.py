@@ -141,6 +141,55 @@ class Reshaper:
         return Move(reason, keep={c: w for c, w in g.workers.items() if c not in draining}, donors=dict(g.workers),
                     exclude=set(nodes), forced=True, draining=tuple(nodes))
 
+    def held(self, move: Move) -> dict:
+        """The job's live workers that ``move`` cannot keep (cell -> worker): stuck in their step,
+        or in a tensor-parallel group that lost a member.  They hold their slots until stopped."""
+        whole = self.group.whole_groups(move.keep)
+        return {c: h for c, h in {**move.donors, **move.keep}.items() if c not in whole}
+
+    def release_held(self, move: Move, committed: int, timeout: float = 30.0) -> dict:
+        """Stop the workers ``held`` names, so that their slots count.  First the state only they
+        hold comes to the scheduler, as its copy of the step the move starts from (``choose_copy``
+        chose it; ``committed``: the job's newest step): their own layers when that is the newest
+        step (exported), and the off-node copies of that step that no other live worker keeps.  A
+        worker that cannot give its state (it died meanwhile) is stopped all the same: its layers
+        then come from another copy, as after any loss.  ``move`` then keeps only whole groups and
+        chooses its copy again.  Returns the workers stopped."""
+        g = self.group
+        held = self.held(move)
+        if not held:
+            return {}
+        if move.committed is None:
+            self.choose_copy(move, committed)
+        step = move.committed
+        whole = g.whole_groups(move.keep)
+        alive = {h._actor_id.hex() for h in whole.values()}
+        need = self.unheld(whole) if step == committed else self.stateful()  # (an older copy: all go back to it)
+        need -= self.keeper.covered(step, alive)  # (copies the scheduler or the kept workers keep stay where they are)
+        asked: dict = {}   # (layer, TP rank) pieces -> the call that brings them
+        if step == committed:
+            for c, h in sorted(held.items()):
+                mine = sorted((g.pieces_of(c) & need) - set(asked))
+                if mine:
+                    ref = h.export.remote(sorted({i for i, _ in mine}), step)
+                    asked.update({piece: ref for piece in mine})
+        by_id = {h._actor_id.hex(): h for h in held.values()}
+        for (lo, hi, plane), keeper in self.keeper.only_kept_by(step, set(by_id), alive).items():
+            pieces = ({(i, plane) for i in range(lo, hi)} & need) - set(asked)
+            if pieces:
+                ref = by_id[keeper].export_copy.remote(list(range(lo, hi)), step, plane)
+                asked.update({piece: ref for piece in pieces})
+        deadline = time.monotonic() + timeout
+        got = {id(ref): _state_or_none(ref, deadline) for ref in {id(r): r for r in asked.values()}.values()}
+        self.keeper.keep_here(step, {(i, i + 1, j): got[id(ref)] for (i, j), ref in asked.items()
+                                     if got[id(ref)] is not None})
+        g.stop_cells(held)
+        move.keep = {c: h for c, h in move.keep.items() if c in whole}
+        move.donors = {c: h for c, h in move.donors.items() if c not in held}
+        move.committed = move.copy = move.copy_layers = move.restored_from = move.restored_step = None
+        move.steps_lost = 0
+        return held
+
     def drop_dead(self, handles: dict) -> set:
         """Remove the workers that do not answer (within 3 s) from ``handles``; their nodes
         become suspect."""
@@ -266,3 +315,10 @@ class Reshaper:
 def _named(shape: planner.Shape) -> list:
     """[dp, pp], with the workers per stage when a stage is replicated: [dp, pp, replicas]."""
     return [shape.dp, shape.pp] + ([list(shape.replicas)] if shape.replicas else [])
+
+
+def _state_or_none(ref, deadline: float) -> Optional[dict]:
+    try:
+        return ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+    except Exception:  # lost meanwhile, or not at that step: its layers come from another copy
+        return None

@@ -191,6 +191,33 @@ class StateKeeper:
                 best = {**copy, "source": f"checkpoint {newest}"}
         return best
 
+    def only_kept_by(self, step: int, ids: set, alive: set) -> dict:
+        """The ranges ((lo, hi, TP rank)) of step ``step``'s copy that only workers in ``ids``
+        (actor ids) keep (none kept here, none by a worker in ``alive``): range -> one of them."""
+        with self._cond:
+            ranges = dict(self.kept.get(step, {}))
+        out = {}
+        for r, keepers in ranges.items():
+            ours = [k._actor_id.hex() for k in keepers if not isinstance(k, dict) and k._actor_id.hex() in ids]
+            if ours and not any(isinstance(k, dict) or k._actor_id.hex() in alive for k in keepers):
+                out[r] = ours[0]
+        return out
+
+    def covered(self, step: int, alive: set) -> set:
+        """The (layer, TP rank) pieces of step ``step``'s copy kept here or by a worker in ``alive``."""
+        with self._cond:
+            ranges = dict(self.kept.get(step, {}))
+        return {(i, j) for (lo, hi, j), keepers in ranges.items()
+                if any(isinstance(k, dict) or k._actor_id.hex() in alive for k in keepers) for i in range(lo, hi)}
+
+    def keep_here(self, step: int, ranges: dict) -> None:
+        """Keep these copies of step ``step`` here ((lo, hi, TP rank) -> state), ahead of any
+        worker that keeps them too (workers about to be stopped gave them)."""
+        with self._cond:
+            kept = self.kept.setdefault(step, {})
+            for r, state in ranges.items():
+                kept[r] = [state, *kept.get(r, [])]
+
     def resume_copy(self) -> Optional[dict]:
         """The checkpoint a run resumes from: its step and path (each worker reads its own
         layers from it)."""

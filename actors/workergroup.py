@@ -382,6 +382,16 @@ class WorkerGroup:
                 kill(h)
         self._release_groups()
 
+    def stop_cells(self, cells) -> None:
+        """Stop the workers of ``cells`` of the current shape now: their slots come free (their
+        TP groups' placement groups too, once no worker of a group runs).  What they held
+        stays described (``pieces_of``), for the reshape that replaces them."""
+        for c in cells:
+            h = self.workers.pop(c, None)
+            if h is not None:
+                kill(h)
+        self._release_groups()
+
     def keep_survivors(self, calls: list[dict], wait_s: float = 10.0) -> dict:
         """After a fixed-shape job lost a worker: wake the others from the step (and from a step
         queued behind it; ``calls``: cell -> ref, per call), and keep those that answer a ping and

@@ -353,6 +353,37 @@ def test_live_workers_that_stall_for_seconds_when_a_peer_goes_are_kept(cluster, 
     assert reshape["new_shape"] == [1, 3]
 
 
+def test_a_worker_stuck_in_its_step_gives_its_state_and_slot_to_the_reshape(cluster, tmp_path):
+    """1x2 on three 1-CPU nodes, the model too big for one worker: stage 0's worker is stuck in
+    its step (it answers, its step never ends) when stage 1's node crashes.  The one free node is
+    not enough; the stuck worker's slot is.  Its layers and its copy of stage 1 go to the
+    scheduler, it is stopped, and the job goes on at 1x2 on the two nodes left, equal to the
+    one-process loop; it waited for slots its own worker held before."""
+    import ray
+
+    with_nodes(cluster, 3)
+    spec = elastic_spec("stuck", 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(5)
+    assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)
+    def stick_in_forward(actor) -> bool:  # (in the worker) its next forward never ends: its step thread stays in
+        # the step after an abort, as one stuck in a collective does, while the actor answers
+        actor._worker.stage[0].register_forward_pre_hook(lambda module, args: time.sleep(600))
+        return True
+
+    assert ray.get(job.worker("w0.0").__ray_call__.remote(stick_in_forward))
+    time.sleep(0.5)  # in its next step's first forward by now (a step takes ~30 ms)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
+    result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs))
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec, early=True))
+    [released] = events(result, "released")
+    assert released["workers"] == ["w0.0"] and "still in the aborted step" in released["message"]
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 2]
+    assert reshape["steps_lost"] <= 1  # the copy of the newest step may still have been in flight
+
+
 def test_a_gpt_stage_whose_only_replica_is_lost_comes_back_from_its_peer_copy(cluster, tmp_path):
     """A layer list (the built-in GPT, its head tied to the embedding across the cut) at 1x2: the
     node of stage 1 goes, and stage 1 comes back on the spare node from the copy the stage-0 worker
