@@ -574,7 +574,7 @@ class JobController:
         stuck = sorted(cell_name(c) for c in held if c not in move.keep)
         broken = sorted(cell_name(c) for c in held if c in move.keep)
         why = "; ".join(x for x in (f"{_listed(stuck)} still in the aborted step" if stuck else "",
-                                    f"{_listed(broken)} in a tensor-parallel group that lost a member" if broken else "")
+                                    f"{_listed(broken)} in a tensor-parallel group not whole any more" if broken else "")
                         if x)
         self.reshaper.release_held(move, self.record.step)
         self.record.event("released", f"stopped {_listed(sorted(cell_name(c) for c in held))} ({why}) to free "

@@ -183,7 +183,7 @@ class Reshaper:
         got = {id(ref): _state_or_none(ref, deadline) for ref in {id(r): r for r in asked.values()}.values()}
         self.keeper.keep_here(step, {(i, i + 1, j): got[id(ref)] for (i, j), ref in asked.items()
                                      if got[id(ref)] is not None})
-        g.stop_cells(held)
+        g.stop_cells(set(held) | {c for c in g.workers if c not in move.donors and c not in move.keep})  # (and the dead)
         move.keep = {c: h for c, h in move.keep.items() if c in whole}
         move.donors = {c: h for c, h in move.donors.items() if c not in held}
         move.committed = move.copy = move.copy_layers = move.restored_from = move.restored_step = None

@@ -312,7 +312,8 @@ class StateKeeper:
             refs += self._exports(sorted(missing), committed, donors, old_layers)
             out[(r, s)] = refs
         # every copy is taken before any donor reconfigures (and drops layers it no longer keeps)
-        exports = [ref for refs in out.values() for ref in refs if isinstance(ref, ray.ObjectRef)]
+        exports = list({ref: None for refs in out.values() for ref in refs if isinstance(ref, ray.ObjectRef)})  # (a
+        # copy's ref serves every cell that needs those pieces: each replica of a stage)
         if exports:  # (a failed copy surfaces in the configure call that reads it)
             ray.wait(exports, num_returns=len(exports), timeout=self.group.start_timeout, fetch_local=False)
         return out

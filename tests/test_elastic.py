@@ -681,6 +681,38 @@ def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_no
     assert "joined" in grow["reason"]
 
 
+def test_a_tp_group_with_a_stuck_rank_and_a_broken_group_give_their_slots_back(cluster, tp_nodes, tmp_path):
+    """(2,1,2) on two 2-CPU nodes: TP rank 0 of replica 0 is stuck in its step (it answers, its
+    step never ends) when replica 1 loses its rank 1.  No group is whole and no slot is free; the
+    three live workers hold them.  Their slices go to the scheduler, rank by rank, they are
+    stopped, and the job goes on on the slots they held, equal to the one-process loop."""
+    import ray
+
+    add, tokens = tp_nodes
+    add(2)
+    spec = tp_elastic_spec(tokens, "tp-stuck", 2, 1, steps=100000)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(6)
+    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
+
+    def stick_in_forward(actor) -> bool:  # (in the worker) see test_a_worker_stuck_in_its_step_...
+        actor._worker.stage[0].register_forward_pre_hook(lambda module, args: time.sleep(600))
+        return True
+
+    assert ray.get(job.worker("w0.0").__ray_call__.remote(stick_in_forward))
+    time.sleep(0.5)
+    ray.kill(job.worker("w1.1"))
+    result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs), timeout=180)
+    assert job.error is None, job.error
+    check_tp_result(result, spec, tmp_path, early=True)
+    [released] = events(result, "released")
+    assert released["workers"] == ["w0.0", "w0.1", "w1.0"]
+    assert "w0.0 still in the aborted step" in released["message"], released["message"]
+    assert "w0.1 and w1.0 in a tensor-parallel group not whole any more" in released["message"]
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [2, 1] and reshape["steps_lost"] <= 1
+
+
 def test_a_dead_schedulers_tp_group_placement_groups_are_released(cluster, tp_nodes):
     """An elastic TP job's placement groups are detached (one per TP group): when its scheduler
     dies without cleaning up, releasing the job's slots removes them all, and only them."""
