@@ -59,6 +59,7 @@ class JobManager:
         # the per-tenant limit is checked and the job inserted under one lock, so concurrent
         # submits cannot overrun it (one API process; the Kubernetes deployment runs one replica)
         self._admission = threading.Lock()
+        self._requests = threading.Lock()  # a finish's check and its event, written together
 
     # ---------------------------------------------------------------- Ray
 
@@ -263,7 +264,8 @@ class JobManager:
         if JobState(job["state"]).is_terminal:
             raise Conflict(f"job {job_id} already ended {job['state']}; only active jobs can be cancelled")
         # first on record: a job whose scheduler is lost while it stops is never restarted
-        self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
+        with self._requests:
+            self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
         actor = launch.find_scheduler(job_id)
         # a scheduler still starting (importing, or waiting for a CPU) has placed nothing yet:
         # the job goes now, rather than after its scheduler came up only to stop (5-10 s).  Only a
@@ -310,15 +312,16 @@ class JobManager:
         if state is JobState.PENDING and not job.get("step"):  # (a restart starting again: it has a model)
             raise Conflict(f"job {job_id} has not started training: there is no model to keep yet; cancel it instead, "
                            "or finish it once it is RUNNING")
-        past = self.store.events_of(job_id, ["cancel_requested", "finish_requested"])
-        if any(e["type"] == "cancel_requested" for e in past):
-            raise Conflict(f"job {job_id} is being cancelled; a cancel cannot be turned into a finish")
-        if not past:
-            self.store.add_events(job_id, [{"type": "finish_requested",
-                                            "message": f"finish requested by {tenant} after {int(job.get('step') or 0)} "
-                                                       "committed steps: it ends after the step under way, keeping "
-                                                       "its model",
-                                            "by": tenant}])
+        with self._requests:  # two finishes at once write one request (one API process: see _admission)
+            past = self.store.events_of(job_id, ["cancel_requested", "finish_requested"])
+            if any(e["type"] == "cancel_requested" for e in past):
+                raise Conflict(f"job {job_id} is being cancelled; a cancel cannot be turned into a finish")
+            if not past:
+                self.store.add_events(job_id, [{"type": "finish_requested",
+                                                "message": f"finish requested by {tenant} after "
+                                                           f"{int(job.get('step') or 0)} committed steps: it ends "
+                                                           "after the step under way, keeping its model",
+                                                "by": tenant}])
         actor = launch.find_scheduler(job_id)
         if actor is not None:
             try:

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import zipfile
 from concurrent.futures import ThreadPoolExecutor
@@ -191,8 +192,18 @@ def test_finish_ends_a_job_after_the_step_under_way_keeping_and_evaluating_its_m
         while c.get(f"/v1/jobs/{job['id']}").json()["step"] < 3 and time.monotonic() < deadline:
             time.sleep(0.1)
         assert c.post(f"/v1/jobs/{job['id']}/finish", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
+    also = {}
+
+    def finish_too():  # a second request at the same moment: both answered, one request on record
+        with server.client() as c2:
+            also["r"] = c2.post(f"/v1/jobs/{job['id']}/finish")
+
+    t = threading.Thread(target=finish_too)
+    t.start()
     p = cli(server, "finish", job["id"])
+    t.join(60)
     assert p.returncode == 0 and job["id"] in p.stdout, p.stderr
+    assert also["r"].status_code == 200, also["r"].text
     with server.client() as c:
         done = wait_state(c, job["id"], {"SUCCEEDED", "FAILED", "CANCELLED"}, timeout=60)
         events = c.get(f"/v1/jobs/{job['id']}/events").json()
