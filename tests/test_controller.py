@@ -78,6 +78,34 @@ def test_below_min_workers_waits_then_fails_with_the_reason():
     assert events(record, "failed")[0]["message"] == record.error
 
 
+def test_a_stuck_worker_is_stopped_for_its_slot_only_when_that_slot_lets_the_job_go_on():
+    """Stage 1's node goes while stage 0's worker is stuck in its step (it answers; its step never
+    ends).  With one node spare, the stuck worker's slot makes the two the job needs: it is stopped
+    (a `released` event) and the job reshapes on the two.  With no node spare, its slot alone would
+    not do: it is left as it is, and the job waits, saying it holds that slot, then fails."""
+    s = spec(steps=4, dp=1, pp=2, min_workers=2, wait_timeout_s=1.5)
+    for nodes, ends in ((3, "SUCCEEDED"), (2, "FAILED")):
+        ctl, group, cluster, record = controller(s, nodes=nodes)
+        group.queue_step()
+
+        def crash():
+            group.stuck.add((0, 0))
+            cluster.remove(group.node_of((0, 1)))
+        group.queue_step({(0, 1): died(), (0, 0): peer_error()}, before=crash)
+        ctl.run()
+        assert record.state.value == ends, (nodes, record.error)
+        released = events(record, "released")
+        if ends == "SUCCEEDED":
+            assert [r["workers"] for r in released] == [["w0.0"]]
+            assert released[0]["message"].startswith("stopped w0.0 (w0.0 still in the aborted step) to free its slots")
+            assert group.steps_run == [1, 2, 3, 4] and events(record, "reshape")[0]["new_shape"] == [1, 2]
+        else:
+            assert released == [] and group.stuck == {(0, 0)}
+            assert events(record, "waiting")[0]["held"] == ["w0.0"]
+            assert record.error.startswith("waiting for workers: 0 slots alive, the job needs at least "
+                                           "elastic.min_workers=2"), record.error
+
+
 def test_a_process_lost_on_a_node_that_stays_up_is_replaced_there_rather_than_waited_out(monkeypatch):
     """A worker's process dies (killed for memory, say) on a node it had to itself, and the job
     needs every slot (min_workers = 2 on two nodes).  The node is suspect at first (no other

@@ -88,6 +88,7 @@ class FakeGroup:
         self.steps_run: list[int] = []
         self.lost: set = set()                  # the cells of the last failed step's errors
         self.killed: set = set()                # cells whose process died on a node that stays up
+        self.stuck: set = set()                 # cells that answer but whose aborted step never ends
         self.started_joining: list[tuple] = []  # (workers started, workers already up) per background start
         self.added_joining: list[int] = []      # workers added to a growth whose workers were starting
         self.start_boundaries = 1               # a growth's workers are up at the k-th boundary after their start
@@ -202,8 +203,22 @@ class FakeReshaper(Reshaper):
         self._suspect.update({n: time.monotonic() for n in nodes - up if n})
         g.where = {c: w for c, w in g.where.items() if c not in g.killed}  # a dead process's slot is free
         g.killed = set()
-        return Move(f"lost {sorted(dead)} ({lost.failure})", keep=alive, donors=alive, exclude=nodes, forced=True,
+        keep = {c: h for c, h in alive.items() if c not in g.stuck}  # a stuck one is a donor, not kept
+        return Move(f"lost {sorted(dead)} ({lost.failure})", keep=keep, donors=alive, exclude=nodes, forced=True,
                     detected=lost.time, lost=tuple(sorted(dead)))
+
+    def release_held(self, move: Move, committed: int, timeout: float = 30.0) -> dict:
+        """As the real one, without state: the held workers stop and their slots come free."""
+        g = self.group
+        held = self.held(move)
+        for c in held:
+            g.workers.pop(c, None)
+            g.where.pop(c, None)
+        g.stuck -= set(held)
+        move.keep = {c: h for c, h in move.keep.items() if c not in held}
+        move.donors = {c: h for c, h in move.donors.items() if c not in held}
+        move.committed = None
+        return held
 
     def choose_copy(self, move: Move, committed: int) -> None:
         move.committed = committed
