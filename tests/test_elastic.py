@@ -353,25 +353,30 @@ def test_live_workers_that_stall_for_seconds_when_a_peer_goes_are_kept(cluster, 
     assert reshape["new_shape"] == [1, 3]
 
 
+def stick(job, cell: str) -> None:
+    """The worker of ``cell`` gets stuck in its next forward: its step thread stays in the step
+    after an abort, as one stuck in a collective does, while the actor answers."""
+    import ray
+
+    def stick_in_forward(actor) -> bool:  # (in the worker; nested, so Ray sends it by value)
+        actor._worker.stage[0].register_forward_pre_hook(lambda module, args: time.sleep(600))
+        return True
+
+    assert ray.get(job.worker(cell).__ray_call__.remote(stick_in_forward))
+
+
 def test_a_worker_stuck_in_its_step_gives_its_state_and_slot_to_the_reshape(cluster, tmp_path):
     """1x2 on three 1-CPU nodes, the model too big for one worker: stage 0's worker is stuck in
     its step (it answers, its step never ends) when stage 1's node crashes.  The one free node is
     not enough; the stuck worker's slot is.  Its layers and its copy of stage 1 go to the
     scheduler, it is stopped, and the job goes on at 1x2 on the two nodes left, equal to the
     one-process loop; it waited for slots its own worker held before."""
-    import ray
-
     with_nodes(cluster, 3)
     spec = elastic_spec("stuck", 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
     assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)
-    def stick_in_forward(actor) -> bool:  # (in the worker) its next forward never ends: its step thread stays in
-        # the step after an abort, as one stuck in a collective does, while the actor answers
-        actor._worker.stage[0].register_forward_pre_hook(lambda module, args: time.sleep(600))
-        return True
-
-    assert ray.get(job.worker("w0.0").__ray_call__.remote(stick_in_forward))
+    stick(job, "w0.0")
     time.sleep(0.5)  # in its next step's first forward by now (a step takes ~30 ms)
     cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
     result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs))
@@ -652,6 +657,17 @@ def test_a_tp_stage_whose_only_group_loses_its_node_comes_back_from_the_kept_sli
     assert lost["steps_lost"] in (0, 1)
 
 
+def two_tp_groups(tp_nodes, tmp_path, name):
+    """A (2,1,2) job on two 2-CPU nodes, told to run 100,000 steps (the test finishes it), at step 6."""
+    add, tokens = tp_nodes
+    add(2)
+    spec = tp_elastic_spec(tokens, name, 2, 1, steps=100000)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(6)
+    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
+    return job, spec
+
+
 def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_nodes, tmp_path):
     """A (2,1,2) job on two 2-CPU nodes loses one worker (TP rank 1 of replica 1): that replica's
     group is stopped whole and the job goes on at (1,1,2) with no state moved; once the broken
@@ -659,14 +675,9 @@ def test_a_tp_rank_lost_drops_its_replica_then_the_job_grows_back(cluster, tp_no
     the old one, rank by rank.  The result equals the one-process loop."""
     import ray
 
-    add, tokens = tp_nodes
-    add(2)
     # it grew back by step 23-38 in earlier runs (27 of 120 on 2026-11-27), each step after that
     # taking 0.36 s: it is told to finish 3 steps after it has grown back
-    spec = tp_elastic_spec(tokens, "tp-lose-rank", 2, 1, steps=100000)
-    job = Job(spec, tmp_path)
-    p = job.wait_step(6)
-    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
+    job, spec = two_tp_groups(tp_nodes, tmp_path, "tp-lose-rank")
     ray.kill(job.worker("w1.1"))
     result = job.finish_after(lambda evs: len([e for e in evs if e["type"] == "reshape"]) == 2, timeout=180)
     assert job.error is None, job.error
@@ -688,18 +699,8 @@ def test_a_tp_group_with_a_stuck_rank_and_a_broken_group_give_their_slots_back(c
     stopped, and the job goes on on the slots they held, equal to the one-process loop."""
     import ray
 
-    add, tokens = tp_nodes
-    add(2)
-    spec = tp_elastic_spec(tokens, "tp-stuck", 2, 1, steps=100000)
-    job = Job(spec, tmp_path)
-    p = job.wait_step(6)
-    assert (p["shape"]["dp"], p["shape"]["pp"], p["shape"]["tp"]) == (2, 1, 2), p["shape"]
-
-    def stick_in_forward(actor) -> bool:  # (in the worker) see test_a_worker_stuck_in_its_step_...
-        actor._worker.stage[0].register_forward_pre_hook(lambda module, args: time.sleep(600))
-        return True
-
-    assert ray.get(job.worker("w0.0").__ray_call__.remote(stick_in_forward))
+    job, spec = two_tp_groups(tp_nodes, tmp_path, "tp-stuck")
+    stick(job, "w0.0")
     time.sleep(0.5)
     ray.kill(job.worker("w1.1"))
     result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs), timeout=180)
