@@ -565,22 +565,51 @@ class JobController:
         cannot keep: stuck in their step, or in a tensor-parallel group that lost a member), when
         those slots would let it go on: their state comes to the scheduler and they are stopped
         (``Reshaper.release_held``).  True when it did so (the reshape then plans again)."""
+        if not move.after_loss or move.release_tried:
+            return False
+        g = self.group
         held = self.reshaper.held(move)
         if not held:
             return False
-        freed = dataclasses.replace(sit, free=sit.free + len(held))  # at most: a TP group needs its node's slots
-        if isinstance(policy.decide(freed, self.spec, self.layers.facts), (policy.Wait, policy.Fail)):
+        stay = [h for c, h in g.whole_groups(move.keep).items() if c not in g.workers]  # (a growth's, taken in)
+        freed = g.slots_freed(held, self.reshaper.dead(move), stay)
+        view = self.watch.view
+        free = {n: dict(r) for n, r in view.free.items()}
+        for node, cpus in freed.items():
+            res = free.setdefault(node, {})
+            res["CPU"] = res.get("CPU", 0.0) + cpus
+            if g.gpus:
+                res["GPU"] = res.get("GPU", 0.0) + cpus / self.spec.resources.cpus_per_worker * g.gpus
+        more = dataclasses.replace(view, free=free).free_slots(
+            self.spec.resources.cpus_per_worker, g.gpus, move.exclude | self.reshaper.suspect(view.alive),
+            group=self.spec.parallelism.tp)
+        if isinstance(policy.decide(dataclasses.replace(sit, free=more), self.spec, self.layers.facts),
+                      (policy.Wait, policy.Fail)):
             return False
-        stuck = sorted(cell_name(c) for c in held if c not in move.keep)
-        broken = sorted(cell_name(c) for c in held if c in move.keep)
+        names = sorted(cell_name(c) for c in held)
+        stuck = sorted(cell_name(c) for c in held if c not in move.keep)  # (the move changes below)
+        broken = sorted(set(names) - set(stuck))
+        done = self.reshaper.release_held(move, self.record.step)
+        if done is None:  # an export failed, and without them the move would go back further: wait as before
+            return False
         why = "; ".join(x for x in (f"{_listed(stuck)} still in the aborted step" if stuck else "",
                                     f"{_listed(broken)} in a tensor-parallel group not whole any more" if broken else "")
                         if x)
-        self.reshaper.release_held(move, self.record.step)
-        self.record.event("released", f"stopped {_listed(sorted(cell_name(c) for c in held))} ({why}) to free "
-                          f"{'its' if len(held) == 1 else 'their'} slots for the reshape; the state only "
-                          f"{'it' if len(held) == 1 else 'they'} held was taken to the scheduler first",
-                          workers=sorted(cell_name(c) for c in held), step=self.record.step)
+        took = (f"first the scheduler took the state only {'it' if len(held) == 1 else 'they'} held of step "
+                f"{done['step']} ({done['pieces']} layer piece{'s' if done['pieces'] != 1 else ''})"
+                if done["pieces"] else f"{'it' if len(held) == 1 else 'they'} held no state the reshape lacked")
+        failed = (f"; {_listed([cell_name(c) for c in done['failed']])} could not give "
+                  f"{'its' if len(done['failed']) == 1 else 'their'} state, which comes from a copy"
+                  if done["failed"] else "")
+        self.record.event("released", f"stopped {_listed(names)} ({why}) to free "
+                          f"{'its' if len(held) == 1 else 'their'} slots for the reshape; {took}{failed}",
+                          workers=names, step=done["step"], pieces=done["pieces"])
+        deadline = time.monotonic() + 5.0  # Ray frees the slots within about a second: plan once they show
+        while time.monotonic() < deadline:
+            again = self._situation(kept=len(g.whole_groups(move.keep)), exclude=move.exclude, forced=True)
+            if not isinstance(policy.decide(again, self.spec, self.layers.facts), (policy.Wait, policy.Fail)):
+                break
+            time.sleep(0.2)
         return True
 
     def _train_on_draining(self, move: Move, d) -> State:

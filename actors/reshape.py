@@ -47,6 +47,8 @@ class Move:
     restored_from: Optional[str] = None
     restored_step: Optional[int] = None    # the step of that copy
     lost: tuple = ()                       # the cells found dead after a failed step (after_loss)
+    after_loss: bool = False               # made by after_loss: its held workers may be stopped for their slots
+    release_tried: bool = False            # release_held tried (and found stopping them would lose state)
     committed: Optional[int] = None        # the step the new shape starts from
     draining: tuple = ()                   # the draining nodes it moves off (off_draining)
     phases: dict = field(default_factory=dict)  # where the reshape's seconds went
@@ -126,7 +128,7 @@ class Reshaper:
         reason = (f"lost {', '.join(cell_name(c) for c in sorted(dead))} ({lost.failure})" if dead
                   else str(lost.failure))
         return Move(reason, keep=alive, donors={**alive, **stuck}, exclude=nodes, forced=True, detected=lost.time,
-                    lost=tuple(sorted(dead)))
+                    lost=tuple(sorted(dead)), after_loss=True)
 
     def off_draining(self, view) -> Optional[Move]:
         """The move off nodes that announced they are going (``view``: actors.cluster.NodeView)."""
@@ -147,48 +149,61 @@ class Reshaper:
         whole = self.group.whole_groups(move.keep)
         return {c: h for c, h in {**move.donors, **move.keep}.items() if c not in whole}
 
-    def release_held(self, move: Move, committed: int, timeout: float = 30.0) -> dict:
+    def dead(self, move: Move) -> dict:
+        """The current shape's workers that ``move`` neither keeps nor takes state from (lost)."""
+        return {c: h for c, h in self.group.workers.items() if c not in move.donors and c not in move.keep}
+
+    def release_held(self, move: Move, committed: int, timeout: float = 30.0) -> Optional[dict]:
         """Stop the workers ``held`` names, so that their slots count.  First the state only they
         hold comes to the scheduler, as its copy of the step the move starts from (``choose_copy``
-        chose it; ``committed``: the job's newest step): their own layers when that is the newest
-        step (exported), and the off-node copies of that step that no other live worker keeps.  A
-        worker that cannot give its state (it died meanwhile) is stopped all the same: its layers
-        then come from another copy, as after any loss.  ``move`` then keeps only whole groups and
-        chooses its copy again.  Returns the workers stopped."""
+        chooses it again; ``committed``: the job's newest step): their own layers when that is the
+        newest step (exported), and the copies of that step that no other live worker keeps.  They
+        are stopped only if the move then still starts from that step (else their state would be
+        lost: an export failed), and the lost workers' placement is dropped with them.  Returns
+        what was done ({"held", "step", "pieces", "failed"}), or None when nothing was stopped."""
         g = self.group
         held = self.held(move)
         if not held:
-            return {}
-        if move.committed is None:
-            self.choose_copy(move, committed)
+            return None
+        move.release_tried = True
+        self.keeper.settle()
+        _forget_copy(move)
+        self.choose_copy(move, committed)
         step = move.committed
         whole = g.whole_groups(move.keep)
         alive = {h._actor_id.hex() for h in whole.values()}
-        need = self.unheld(whole) if step == committed else self.stateful()  # (an older copy: all go back to it)
-        need -= self.keeper.covered(step, alive)  # (copies the scheduler or the kept workers keep stay where they are)
-        asked: dict = {}   # (layer, TP rank) pieces -> the call that brings them
+        lost_after = self.unheld(whole)
+        need = (lost_after if step == committed else self.stateful()) - self.keeper.covered(step, alive)
+        asked: dict = {}   # (layer, TP rank) pieces -> (the worker asked, the call that brings them)
         if step == committed:
             for c, h in sorted(held.items()):
                 mine = sorted((g.pieces_of(c) & need) - set(asked))
                 if mine:
                     ref = h.export.remote(sorted({i for i, _ in mine}), step)
-                    asked.update({piece: ref for piece in mine})
-        by_id = {h._actor_id.hex(): h for h in held.values()}
+                    asked.update({piece: (c, ref) for piece in mine})
+        by_id = {h._actor_id.hex(): c for c, h in held.items()}
         for (lo, hi, plane), keeper in self.keeper.only_kept_by(step, set(by_id), alive).items():
             pieces = ({(i, plane) for i in range(lo, hi)} & need) - set(asked)
             if pieces:
-                ref = by_id[keeper].export_copy.remote(list(range(lo, hi)), step, plane)
-                asked.update({piece: ref for piece in pieces})
+                c = by_id[keeper]
+                ref = held[c].export_copy.remote(list(range(lo, hi)), step, plane)
+                asked.update({piece: (c, ref) for piece in pieces})
         deadline = time.monotonic() + timeout
-        got = {id(ref): _state_or_none(ref, deadline) for ref in {id(r): r for r in asked.values()}.values()}
-        self.keeper.keep_here(step, {(i, i + 1, j): got[id(ref)] for (i, j), ref in asked.items()
-                                     if got[id(ref)] is not None})
-        g.stop_cells(set(held) | {c for c in g.workers if c not in move.donors and c not in move.keep})  # (and the dead)
+        refs = {id(ref): ref for _, ref in asked.values()}
+        got = {k: _state_or_none(ref, deadline) for k, ref in refs.items()}
+        taken = {piece: got[id(ref)] for piece, (_, ref) in asked.items() if got[id(ref)] is not None}
+        self.keeper.keep_here(step, {(i, i + 1, j): state for (i, j), state in taken.items()})
+        failed = sorted({c for piece, (c, ref) in asked.items() if got[id(ref)] is None})
+        if lost_after:  # without them, would the move still start from that step?
+            copy = self.keeper.newest_copy(lost_after, alive, committed, self.stateful())
+            if copy is None or copy["step"] < step:
+                return None
+        dead = self.dead(move)
+        g.stop_now({**held, **dead}, stay=[h for c, h in whole.items() if c not in g.workers])
         move.keep = {c: h for c, h in move.keep.items() if c in whole}
         move.donors = {c: h for c, h in move.donors.items() if c not in held}
-        move.committed = move.copy = move.copy_layers = move.restored_from = move.restored_step = None
-        move.steps_lost = 0
-        return held
+        _forget_copy(move)
+        return {"held": held, "step": step, "pieces": len(taken), "failed": failed}
 
     def drop_dead(self, handles: dict) -> set:
         """Remove the workers that do not answer (within 3 s) from ``handles``; their nodes
@@ -239,6 +254,7 @@ class Reshaper:
         phases.update(self.install(shape, why, assign, move.committed, boundary,
                                    copy=move.copy, copy_layers=move.copy_layers, donors=move.donors))
         self.keeper.forget_pending()
+        self.keeper.drop_taken()  # (what held workers gave for this reshape: its workers hold it now)
         g.stop_others(list(previous.values()) + [h for c, h in move.keep.items() if c not in previous])
         phases["installed_at"] = time.time()
         paused = phases.pop("began_at", move.detected)
@@ -315,6 +331,12 @@ class Reshaper:
 def _named(shape: planner.Shape) -> list:
     """[dp, pp], with the workers per stage when a stage is replicated: [dp, pp, replicas]."""
     return [shape.dp, shape.pp] + ([list(shape.replicas)] if shape.replicas else [])
+
+
+def _forget_copy(move: Move) -> None:
+    """The move chooses where its lost state comes from again (``choose_copy``)."""
+    move.committed = move.copy = move.copy_layers = move.restored_from = move.restored_step = None
+    move.steps_lost = 0
 
 
 def _state_or_none(ref, deadline: float) -> Optional[dict]:

@@ -47,6 +47,7 @@ class StateKeeper:
         self._thread: Optional[threading.Thread] = None
         self._cond = threading.Condition()
         self.writer: Optional[CheckpointWriter] = None   # checkpoints on storage, written beside the steps
+        self._taken: set = set()                         # (step, range, id) of the copies keep_here took
 
     # ---------------------------------------------------------------- the off-node copy
 
@@ -112,7 +113,9 @@ class StateKeeper:
                 got = _get(ref, deadline)
                 if (got is not None and got["step"] == committed) if holder is None else got == committed:
                     with self._cond:
-                        self.kept.setdefault(committed, {})[key] = [got] if holder is None else holder
+                        ranges = self.kept.setdefault(committed, {})
+                        taken = [k for k in ranges.get(key, []) if isinstance(k, dict)]  # (kept here already: keep_here)
+                        ranges[key] = taken + ([got] if holder is None else list(holder))
                     break
             else:
                 ok = False
@@ -212,11 +215,25 @@ class StateKeeper:
 
     def keep_here(self, step: int, ranges: dict) -> None:
         """Keep these copies of step ``step`` here ((lo, hi, TP rank) -> state), ahead of any
-        worker that keeps them too (workers about to be stopped gave them)."""
+        worker that keeps them too (workers about to be stopped gave them), until
+        ``drop_taken`` (the reshape that needed them has installed its shape)."""
         with self._cond:
             kept = self.kept.setdefault(step, {})
             for r, state in ranges.items():
                 kept[r] = [state, *kept.get(r, [])]
+                self._taken.add((step, r, id(state)))
+
+    def drop_taken(self) -> None:
+        """Forget the copies ``keep_here`` took (the new shape's workers hold that state now)."""
+        with self._cond:
+            for step, r, ident in self._taken:
+                keepers = [k for k in self.kept.get(step, {}).get(r, []) if id(k) != ident]
+                if keepers:
+                    self.kept[step][r] = keepers
+                else:
+                    self.kept.get(step, {}).pop(r, None)
+            self.kept = {step: ranges for step, ranges in self.kept.items() if ranges}
+            self._taken = set()
 
     def resume_copy(self) -> Optional[dict]:
         """The checkpoint a run resumes from: its step and path (each worker reads its own

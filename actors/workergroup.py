@@ -117,12 +117,20 @@ class WorkerGroup:
         return {k: handles[k] for gid in sorted(groups) if len(groups[gid]) == tp
                 for _, k in sorted(groups[gid].items())}
 
-    def _release_groups(self) -> None:
+    def _live_groups(self, extra=(), workers=None) -> set:
+        """The TP groups (placement group ids) with a worker that runs: of the current shape
+        (``workers``, by default all of it), of a growth starting, or among ``extra`` (a growth's
+        workers a reshape took in)."""
+        workers = self.workers.values() if workers is None else workers
+        return {self.tp_groups.get(h._actor_id.hex(), (None,))[0]
+                for h in [*workers, *(self.joining.handles if self.joining else []), *extra]}
+
+    def _release_groups(self, extra=()) -> None:
         """Remove the placement groups of TP groups none of whose workers runs any more (a
         group that lost a worker is stopped whole; its bundles would otherwise hold CPUs, or be
-        placed again elsewhere when its node died)."""
-        live = {self.tp_groups.get(h._actor_id.hex(), (None,))[0]
-                for h in list(self.workers.values()) + (self.joining.handles if self.joining else [])}
+        placed again elsewhere when its node died).  ``extra``: workers outside the current
+        shape that stay."""
+        live = self._live_groups(extra)
         for gid in [gid for gid in self._group_pgs if gid not in live]:
             try:
                 remove_placement_group(self._group_pgs.pop(gid))
@@ -382,15 +390,42 @@ class WorkerGroup:
                 kill(h)
         self._release_groups()
 
-    def stop_cells(self, cells) -> None:
-        """Stop the workers of ``cells`` of the current shape now: their slots come free (their
-        TP groups' placement groups too, once no worker of a group runs).  What they held
-        stays described (``pieces_of``), for the reshape that replaces them."""
-        for c in cells:
-            h = self.workers.pop(c, None)
-            if h is not None:
-                kill(h)
-        self._release_groups()
+    def slots_freed(self, held: dict, dead: dict, stay=()) -> dict:
+        """CPUs per node that stopping ``held`` (live workers, cell -> worker) and dropping ``dead``
+        would give back: a live worker's own slot; with a TP group's placement group (an elastic
+        TP job) every bundle of each group left with no worker that runs (``stay``: workers outside
+        the current shape that stay), the dead members' too.  A dead worker outside a group
+        holds nothing (Ray freed its slot)."""
+        cpus = self.spec.resources.cpus_per_worker
+        out: dict = {}
+        if not self._group_pgs:
+            for c in held:
+                node = self.node_of(c)
+                if node:
+                    out[node] = out.get(node, 0.0) + cpus
+            return out
+        gone = set(held) | set(dead)
+        live = self._live_groups(stay, workers=[h for c, h in self.workers.items() if c not in gone])
+        tp = self.spec.parallelism.tp
+        for c, h in {**dead, **held}.items():
+            gid = self.tp_groups.get(h._actor_id.hex(), (None,))[0]
+            node = self.node_of(c)
+            if gid is not None and gid not in live and node:
+                live.add(gid)  # (counted once, whole)
+                out[node] = out.get(node, 0.0) + cpus * tp
+        return out
+
+    def stop_now(self, handles: dict, stay=()) -> None:
+        """Stop these workers now (cell -> worker; those of the current shape leave it): their
+        slots come free, and their TP groups' placement groups once no worker of a group runs
+        (``stay``: workers outside the current shape that stay, such as a growth's taken into a
+        reshape).  What they held stays described (``pieces_of``), for the reshape that
+        replaces them."""
+        ids = {h._actor_id.hex() for h in handles.values()}
+        self.workers = {c: h for c, h in self.workers.items() if h._actor_id.hex() not in ids}
+        for h in handles.values():
+            kill(h)
+        self._release_groups(extra=stay)
 
     def keep_survivors(self, calls: list[dict], wait_s: float = 10.0) -> dict:
         """After a fixed-shape job lost a worker: wake the others from the step (and from a step

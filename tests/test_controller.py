@@ -97,7 +97,8 @@ def test_a_stuck_worker_is_stopped_for_its_slot_only_when_that_slot_lets_the_job
         released = events(record, "released")
         if ends == "SUCCEEDED":
             assert [r["workers"] for r in released] == [["w0.0"]]
-            assert released[0]["message"].startswith("stopped w0.0 (w0.0 still in the aborted step) to free its slots")
+            assert released[0]["message"].startswith("stopped w0.0 (w0.0 still in the aborted step) to free its slots "
+                                                     "for the reshape; ")
             assert group.steps_run == [1, 2, 3, 4] and events(record, "reshape")[0]["new_shape"] == [1, 2]
         else:
             assert released == [] and group.stuck == {(0, 0)}

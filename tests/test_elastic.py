@@ -137,8 +137,11 @@ class Job:
         import ray
 
         deadline = time.monotonic() + timeout
-        while not done(ray.get(self.sched.poll.remote(10**9, 0))["events"]):
-            assert time.monotonic() < deadline and self.thread.is_alive(), f"never happened: {self.error or self.result}"
+        while not done(evs := ray.get(self.sched.poll.remote(10**9, 0))["events"]):
+            said = "\n".join(f"{e['type']}: {e['message']} " + str({k: v for k, v in e.items() if k not in
+                                                                    ("type", "message", "time", "id")}) for e in evs)
+            assert time.monotonic() < deadline and self.thread.is_alive(), \
+                f"never happened: {self.error or self.result}; events:\n{said}"
             time.sleep(0.1)
         self.wait_step(self.poll()["step"] + more)
         ray.get(self.sched.finish_early.remote("the test"))
@@ -384,6 +387,7 @@ def test_a_worker_stuck_in_its_step_gives_its_state_and_slot_to_the_reshape(clus
     assert_same_params(final_params(tmp_path), check_result(result, spec, early=True))
     [released] = events(result, "released")
     assert released["workers"] == ["w0.0"] and "still in the aborted step" in released["message"]
+    assert released["pieces"] > 0 and "first the scheduler took the state only it held of step" in released["message"]
     [reshape] = events(result, "reshape")
     assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 2]
     assert reshape["steps_lost"] <= 1  # the copy of the newest step may still have been in flight

@@ -106,6 +106,9 @@ class FakeGroup:
     def whole_groups(handles: dict) -> dict:
         return dict(handles)  # no tensor parallelism in these jobs
 
+    def slots_freed(self, held: dict, dead: dict, stay=()) -> dict:
+        return {self.node_of(c): 1.0 for c in held if self.node_of(c)}  # a slot each (one per node)
+
     # --- what the reshaper does to it
     def place(self, shape) -> None:
         kept = {c: w["node"] for c, w in self.where.items()}
@@ -205,12 +208,13 @@ class FakeReshaper(Reshaper):
         g.killed = set()
         keep = {c: h for c, h in alive.items() if c not in g.stuck}  # a stuck one is a donor, not kept
         return Move(f"lost {sorted(dead)} ({lost.failure})", keep=keep, donors=alive, exclude=nodes, forced=True,
-                    detected=lost.time, lost=tuple(sorted(dead)))
+                    detected=lost.time, lost=tuple(sorted(dead)), after_loss=True)
 
     def release_held(self, move: Move, committed: int, timeout: float = 30.0) -> dict:
         """As the real one, without state: the held workers stop and their slots come free."""
         g = self.group
         held = self.held(move)
+        move.release_tried = True
         for c in held:
             g.workers.pop(c, None)
             g.where.pop(c, None)
@@ -218,7 +222,7 @@ class FakeReshaper(Reshaper):
         move.keep = {c: h for c, h in move.keep.items() if c not in held}
         move.donors = {c: h for c, h in move.donors.items() if c not in held}
         move.committed = None
-        return held
+        return {"held": held, "step": committed, "pieces": 0, "failed": []}
 
     def choose_copy(self, move: Move, committed: int) -> None:
         move.committed = committed
