@@ -571,8 +571,7 @@ class JobController:
         held = self.reshaper.held(move)
         if not held:
             return False
-        stay = [h for c, h in g.whole_groups(move.keep).items() if c not in g.workers]  # (a growth's, taken in)
-        freed = g.slots_freed(held, self.reshaper.dead(move), stay)
+        freed = g.slots_freed(held, self.reshaper.dead(move), self.reshaper.taken_in(move))
         view = self.watch.view
         free = {n: dict(r) for n, r in view.free.items()}
         for node, cpus in freed.items():

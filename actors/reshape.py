@@ -149,6 +149,11 @@ class Reshaper:
         whole = self.group.whole_groups(move.keep)
         return {c: h for c, h in {**move.donors, **move.keep}.items() if c not in whole}
 
+    def taken_in(self, move: Move) -> list:
+        """The workers ``move`` keeps from outside the current shape (a growth's, up and taken in):
+        their TP groups stay placed when others are stopped."""
+        return [h for c, h in self.group.whole_groups(move.keep).items() if c not in self.group.workers]
+
     def dead(self, move: Move) -> dict:
         """The current shape's workers that ``move`` neither keeps nor takes state from (lost)."""
         return {c: h for c, h in self.group.workers.items() if c not in move.donors and c not in move.keep}
@@ -199,7 +204,7 @@ class Reshaper:
             if copy is None or copy["step"] < step:
                 return None
         dead = self.dead(move)
-        g.stop_now({**held, **dead}, stay=[h for c, h in whole.items() if c not in g.workers])
+        g.stop_now({**held, **dead}, stay=self.taken_in(move))
         move.keep = {c: h for c, h in move.keep.items() if c in whole}
         move.donors = {c: h for c, h in move.donors.items() if c not in held}
         _forget_copy(move)

@@ -179,7 +179,7 @@ class StateKeeper:
         for step in sorted(kept, reverse=True):
             ranges = {}  # each range's first keeper that is alive (or the state kept here)
             for r, keepers in kept[step].items():
-                k = next((k for k in keepers if isinstance(k, dict) or k._actor_id.hex() in alive), None)
+                k = next((k for k in keepers if _at_hand(k, alive)), None)
                 if k is not None:
                     ranges[r] = k
             covered = {(i, j) for lo, hi, j in ranges for i in range(lo, hi)}
@@ -202,7 +202,7 @@ class StateKeeper:
         out = {}
         for r, keepers in ranges.items():
             ours = [k._actor_id.hex() for k in keepers if not isinstance(k, dict) and k._actor_id.hex() in ids]
-            if ours and not any(isinstance(k, dict) or k._actor_id.hex() in alive for k in keepers):
+            if ours and not any(_at_hand(k, alive) for k in keepers):
                 out[r] = ours[0]
         return out
 
@@ -211,7 +211,7 @@ class StateKeeper:
         with self._cond:
             ranges = dict(self.kept.get(step, {}))
         return {(i, j) for (lo, hi, j), keepers in ranges.items()
-                if any(isinstance(k, dict) or k._actor_id.hex() in alive for k in keepers) for i in range(lo, hi)}
+                if any(_at_hand(k, alive) for k in keepers) for i in range(lo, hi)}
 
     def keep_here(self, step: int, ranges: dict) -> None:
         """Keep these copies of step ``step`` here ((lo, hi, TP rank) -> state), ahead of any
@@ -346,6 +346,12 @@ class StateKeeper:
                                  f"{committed}")
             by_donor.setdefault(donor._actor_id.hex(), (donor, []))[1].append(layer)
         return [donor.export.remote(layers, committed) for donor, layers in by_donor.values()]
+
+
+def _at_hand(keeper, alive: set) -> bool:
+    """Can this keeper of a copy give it: the state kept here (a dict), or a worker in ``alive``
+    (actor ids)?"""
+    return isinstance(keeper, dict) or keeper._actor_id.hex() in alive
 
 
 def _on_storage(path) -> dict:
