@@ -66,7 +66,9 @@ import os
 import queue
 import threading
 from concurrent.futures import Future
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
+
+from actors import nodeenv
 
 T = TypeVar("T")
 
@@ -75,26 +77,25 @@ KEEP_UP_TO = 32 << 20      # blocks below 32 MiB come from the heap (above: mapp
 NEVER_TRIM = 2**31 - 1     # mallopt takes an int
 
 
-NO_TCACHE = "glibc.malloc.tcache_count=0"
-
-
-def runtime_env(job_env: dict) -> dict:
-    """The worker actors' own ``runtime_env`` option (Ray merges it into the job's): one malloc
-    arena, unless the job's runtime_env sets its own ``MALLOC_ARENA_MAX``; no per-thread caches
-    of small blocks (``NO_TCACHE``), unless it sets ``GLIBC_TUNABLES`` or turns all of this off
-    (``RELAYTRAIN_KEEP_FREED=0``)."""
+def runtime_env(job_env: dict, nice: int = 0, parent: Optional[dict] = None) -> dict:
+    """The worker actors' own ``runtime_env`` option (Ray merges it into ``parent``, the
+    scheduler's, which they inherit): none where every node gives the settings
+    (actors/nodeenv.py); else one malloc arena, unless the job's runtime_env sets its own
+    ``MALLOC_ARENA_MAX``; no per-thread caches of small blocks (``NO_TCACHE``), unless it sets
+    ``GLIBC_TUNABLES`` or turns all of this off (``RELAYTRAIN_KEEP_FREED=0``); and the niceness
+    and get re-check the scheduler's runtime_env does not carry (it started where the nodes
+    gave them, and this worker may start on a node that does not)."""
+    if nodeenv.given_by_nodes(job_env, nice):
+        return {}
     env = job_env.get("env_vars") or {}
-    ours = {}
+    inherited = (parent or {}).get("env_vars") or {}
+    wanted = nodeenv.settings(nice)
+    ours = {k: wanted[k] for k in ("RAY_worker_niceness", "RAY_get_check_signal_interval_milliseconds")
+            if k not in env and k not in inherited}
     if "MALLOC_ARENA_MAX" not in env:
         ours["MALLOC_ARENA_MAX"] = "1"
     if "GLIBC_TUNABLES" not in env and env.get("RELAYTRAIN_KEEP_FREED", os.environ.get("RELAYTRAIN_KEEP_FREED")) != "0":
-        inherited = os.environ.get("GLIBC_TUNABLES")  # the job's processes share one environment
-        if not inherited:
-            ours["GLIBC_TUNABLES"] = NO_TCACHE
-        elif "tcache_count" in inherited:  # it chose its own
-            ours["GLIBC_TUNABLES"] = inherited
-        else:
-            ours["GLIBC_TUNABLES"] = f"{inherited}:{NO_TCACHE}"
+        ours["GLIBC_TUNABLES"] = nodeenv.tunables(os.environ.get("GLIBC_TUNABLES"))  # the job's processes share one environment
     return {"runtime_env": {"env_vars": ours}} if ours else {}
 
 

@@ -9,6 +9,7 @@ from typing import Any, Optional
 
 import ray
 
+from actors import nodeenv
 from service import rayconnect
 from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
@@ -25,8 +26,9 @@ def connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> boo
     if ray_address:
         rayconnect.init(ray_address, **kwargs)  # a ray:// address: Ray's token, and a refusal explained
         return True
-    # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical)
-    rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, **kwargs)
+    # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical); its
+    # processes inherit what a job's need (actors/nodeenv.py), so they start without a runtime_env
+    rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, labels=nodeenv.prepare(), **kwargs)
     return True
 
 
@@ -94,21 +96,19 @@ def check_fits(spec: JobSpec, max_cpus: Optional[float] = None, max_gpus: Option
                             "lower parallelism.tp or resources.cpus_per_worker, or add a larger node")
 
 
-# Ray re-checks a blocked ``ray.get`` of an object on another node every this many ms (its
-# default: 1000). About one fetch in three inside a job on a simulated 3-node cluster sat out
-# that whole second (README, "Elasticity"); at 100 ms such a fetch waits 100 ms at most.
-GET_RECHECK_MS = 100
-
-
-def job_process_env(runtime_env: dict, nice: int) -> dict:
+def job_process_env(runtime_env: dict, nice: int) -> Optional[dict]:
     """``runtime_env`` for the job's processes (its scheduler's, and its workers', which inherit
-    it): the job's niceness (``resources.nice``), and Ray's re-check of a blocked get at
-    ``GET_RECHECK_MS`` unless the job sets ``RAY_get_check_signal_interval_milliseconds``.
+    it): None where every node gives them what they need (actors/nodeenv.py); else the job's
+    niceness (``resources.nice``), and Ray's re-check of a blocked get at
+    ``nodeenv.GET_RECHECK_MS`` unless the job sets ``RAY_get_check_signal_interval_milliseconds``.
     Ray renices every worker process it starts to 15 unless ``RAY_worker_niceness`` says
     otherwise; at 15 any other busy process on the node takes nearly all of a core from a job's
     workers (README: "The job's processes")."""
-    env_vars = {"RAY_get_check_signal_interval_milliseconds": str(GET_RECHECK_MS),
-                **(runtime_env.get("env_vars") or {}), "RAY_worker_niceness": str(int(nice))}
+    if nodeenv.given_by_nodes(runtime_env, nice):
+        return None
+    wanted = nodeenv.settings(nice)
+    env_vars = {"RAY_get_check_signal_interval_milliseconds": wanted["RAY_get_check_signal_interval_milliseconds"],
+                **(runtime_env.get("env_vars") or {}), "RAY_worker_niceness": wanted["RAY_worker_niceness"]}
     return {**runtime_env, "env_vars": env_vars}
 
 
@@ -121,9 +121,11 @@ def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: 
     from actors.scheduler import JobScheduler
 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}
+    env = job_process_env(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0))
+    if env is not None:
+        options["runtime_env"] = env
     return ray.remote(JobScheduler).options(
         name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
-        runtime_env=job_process_env(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0)),
         **scheduler_placement(), **options,
     ).remote(job_id, spec, search, detached=detached, **kwargs)
 

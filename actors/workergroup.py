@@ -76,7 +76,9 @@ class WorkerGroup:
         Worker = ray.remote(StageWorker)
         spec_dict = self.spec.model_dump(mode="json")
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
-                                "namespace": names.NAMESPACE, **heap.runtime_env(self.spec.runtime_env)}
+                                "namespace": names.NAMESPACE,
+                                **heap.runtime_env(self.spec.runtime_env, self.spec.resources.nice,
+                                                   ray.get_runtime_context().runtime_env)}
         tp = self.spec.parallelism.tp
         if not self.elastic and self.pg is None:  # a fixed shape is placed all at once, packed; a TP group in
             # one bundle (one node).  A restart keeps it: a new worker takes the bundle of the worker it replaces

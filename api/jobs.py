@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Optional
 
-from actors import launch
+from actors import launch, nodeenv
 from api.cluster import ClusterScheduler
 from api.errors import Conflict, Invalid, NotFound, TooMany
 from api.models import FinalModel
@@ -38,8 +38,9 @@ def start_local_ray(cpus: Optional[int]) -> None:
     import sys
 
     ray_bin = shutil.which("ray", path=os.path.dirname(sys.executable)) or shutil.which("ray")
+    labels = nodeenv.prepare()  # its processes start with what a job's need (actors/nodeenv.py)
     cmd = [ray_bin, "start", "--head", "--disable-usage-stats", "--include-dashboard=true",
-           "--dashboard-host=127.0.0.1"]
+           "--dashboard-host=127.0.0.1", "--labels=" + ",".join(f"{k}={v}" for k, v in labels.items())]
     if cpus:
         cmd.append(f"--num-cpus={cpus}")
     log.info("starting a local Ray: %s", " ".join(cmd))

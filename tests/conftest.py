@@ -20,6 +20,14 @@ from tests import s3server  # noqa: E402
 
 s3server.configure_env()
 
+# The tests' Rays start as relaytrain starts its own (actors/nodeenv.py): with what a job's
+# processes need in their environment and the label that says so, so that jobs start their
+# processes without a runtime_env.  Set now, before any Ray starts; tests/test_memory.py and
+# tests/test_priority.py check what the processes got.
+from actors import nodeenv  # noqa: E402
+
+NODE_LABELS = nodeenv.prepare()
+
 
 def restart_session_ray():
     """The session's local Ray: 8 logical CPU slots on this 2-core machine, so 2x2 and 1x4 fit."""
@@ -27,7 +35,7 @@ def restart_session_ray():
 
     # metrics exported every 2 s, not Ray's 10: tests/test_metrics.py reads them back from the export
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
-             namespace="relaytrain-tests", _system_config={"metrics_report_interval_ms": 2000})
+             namespace="relaytrain-tests", _system_config={"metrics_report_interval_ms": 2000}, labels=NODE_LABELS)
     return ray
 
 
@@ -57,11 +65,15 @@ def simulated_cluster():
     import ray
     from ray.cluster_utils import Cluster
 
+    class Labelled(Cluster):  # every node it starts, as relaytrain's own (above)
+        def add_node(self, wait: bool = True, **node_args):
+            return super().add_node(wait, **{"labels": NODE_LABELS, **node_args})
+
     if _SIMULATED["cluster"] is None:
         _SIMULATED["was_up"] = ray.is_initialized()
         if _SIMULATED["was_up"]:
             ray.shutdown()
-        c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
+        c = Labelled(initialize_head=True, head_node_args={"num_cpus": 0, "_system_config": FAST_NODE_DEATH})
         c.wait_for_nodes()
         ray.init(address=c.address, logging_level="WARNING", namespace="relaytrain-tests")
         _SIMULATED["cluster"] = c

@@ -248,3 +248,19 @@ def test_every_ray_pod_can_write_under_the_control_planes_home(folder):
         for c in template["spec"]["containers"]:
             [mount] = [m for m in c.get("volumeMounts", []) if m["mountPath"] == home]
             assert mount["name"] in volumes and not mount.get("readOnly"), c["name"]
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_every_ray_node_starts_a_jobs_processes_with_what_they_need(folder):
+    """Every Ray container has the environment a job's processes need (actors/nodeenv.py), and
+    every group the node label that says so: jobs then start their processes without a
+    runtime_env (a second Python start each)."""
+    from actors import nodeenv
+
+    cluster = the(objects(folder), "RayCluster")
+    groups = [cluster["spec"]["headGroupSpec"], *cluster["spec"]["workerGroupSpecs"]]
+    for g in groups:
+        assert g.get("labels", {}).get(nodeenv.LABEL) == nodeenv.VERSION, g.get("groupName", "head")
+    want = nodeenv.settings(0, env={})
+    for c in _containers(cluster):
+        assert {e["name"]: e.get("value") for e in c.get("env", []) if e["name"] in want} == want, c["name"]

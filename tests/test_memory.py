@@ -195,8 +195,14 @@ def test_the_step_thread_runs_every_call_on_one_thread_and_raises_what_it_raised
 
 
 def test_workers_get_one_malloc_arena_and_no_thread_caches_unless_the_job_sets_its_own(monkeypatch):
-    from actors.heap import NO_TCACHE, runtime_env
+    from actors import heap, nodeenv
+    from actors.nodeenv import NO_TCACHE
 
+    def runtime_env(job_env, nice=0):  # under a scheduler whose runtime_env gave the niceness and the re-check
+        return heap.runtime_env(job_env, nice, {"env_vars": {"RAY_worker_niceness": str(nice),
+                                                             "RAY_get_check_signal_interval_milliseconds": "100"}})
+
+    monkeypatch.setattr(nodeenv, "given_by_nodes", lambda job_env, nice=0: False)  # a cluster relaytrain did not start
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("RELAYTRAIN_KEEP_FREED", raising=False)
     ours = {"MALLOC_ARENA_MAX": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
@@ -212,3 +218,31 @@ def test_workers_get_one_malloc_arena_and_no_thread_caches_unless_the_job_sets_i
     assert runtime_env({})["runtime_env"]["env_vars"]["GLIBC_TUNABLES"] == f"glibc.malloc.mxfast=0:{NO_TCACHE}"
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.tcache_count=3")
     assert runtime_env({})["runtime_env"]["env_vars"]["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=3"
+    monkeypatch.delenv("GLIBC_TUNABLES")
+    # a scheduler that started with no runtime_env (every node gave the settings then) and now
+    # starts a worker where a node without them has joined: the worker gets them all itself
+    assert heap.runtime_env({}, 0, {}) == {"runtime_env": {"env_vars": {
+        "RAY_worker_niceness": "0", "RAY_get_check_signal_interval_milliseconds": "100", **ours}}}
+    # where every node gives them, a job with no runtime_env of its own and niceness 0 passes none
+    monkeypatch.setattr(nodeenv, "given_by_nodes", lambda job_env, nice=0: not job_env and not nice)
+    assert heap.runtime_env({}, 0, {}) == {}
+    assert heap.runtime_env({"env_vars": {"A": "1"}}, 0, {})["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "1"
+
+
+def test_a_job_starts_its_processes_without_a_runtime_env_only_where_every_node_gives_the_settings(monkeypatch):
+    from actors import launch, nodeenv
+
+    mark = {nodeenv.LABEL: nodeenv.VERSION}
+    assert nodeenv.labelled([{"Alive": True, "Labels": mark}, {"Alive": False, "Labels": {}}])  # a dead node does not count
+    assert not nodeenv.labelled([{"Alive": True, "Labels": mark}, {"Alive": True, "Labels": {}}])
+    assert not nodeenv.labelled([{"Alive": True, "Labels": {nodeenv.LABEL: "0"}}])  # another version's settings
+    assert not nodeenv.labelled([])
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.setenv("RELAYTRAIN_KEEP_FREED", "0")
+    assert nodeenv.settings(5) == {"RAY_worker_niceness": "5", "RAY_get_check_signal_interval_milliseconds": "100"}
+    monkeypatch.setattr(nodeenv, "given_by_nodes", lambda job_env, nice=0: not job_env and not nice)
+    assert launch.job_process_env({}, 0) is None
+    assert launch.job_process_env({}, 4) == {"env_vars": {"RAY_get_check_signal_interval_milliseconds": "100",
+                                                          "RAY_worker_niceness": "4"}}
+    assert launch.job_process_env({"env_vars": {"RAY_get_check_signal_interval_milliseconds": "50"}}, 0)["env_vars"] == \
+        {"RAY_get_check_signal_interval_milliseconds": "50", "RAY_worker_niceness": "0"}

@@ -10,19 +10,27 @@ import threading
 import time
 import uuid
 
+import pytest
+
 from bench import memory
 from service.spec import parse_spec
 
 
-def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_path):
+@pytest.mark.parametrize("nice", [6, 0])
+def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_path, nice):
+    """At 6 the job's processes get their settings in a runtime_env; at 0, on the tests' Ray
+    (started as relaytrain starts its own: actors/nodeenv.py), from the node, with none."""
+    from actors import heap, launch
     from actors.runner import run_job
 
+    assert (launch.job_process_env({}, nice) is None) == (nice == 0)
+    assert (heap.runtime_env({}, nice, {}) == {}) == (nice == 0)
     name = f"nice-{uuid.uuid4().hex[:6]}"
     spec = parse_spec({
         "name": name, "model": {"kind": "mlp", "args": {"hidden": 16, "layers": 2}}, "data": {"kind": "digits"},
         "optimizer": {"name": "sgd", "lr": 0.05},
         "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 400, "seed": 1},
-        "parallelism": {"dp": 1, "pp": 2}, "resources": {"nice": 6},
+        "parallelism": {"dp": 1, "pp": 2}, "resources": {"nice": nice},
     })
     sampler = memory.Sampler(name, interval=0.05, pss_every=0)
     sampler.start()
@@ -42,7 +50,7 @@ def test_the_scheduler_and_the_workers_run_at_resources_nice(ray_session, tmp_pa
         job.join(120)
         sampler.stop()
     assert done.get("state") == "SUCCEEDED", done
-    assert sorted(seen.values()) == [("scheduler", 6), ("worker", 6), ("worker", 6)], seen
+    assert sorted(seen.values()) == [("scheduler", nice), ("worker", nice), ("worker", nice)], seen
     recheck = {n: e.get("RAY_get_check_signal_interval_milliseconds") for n, e in envs.items()}
     assert list(recheck.values()) == ["100"] * 3, recheck
     # and the workers' malloc: one arena, no per-thread caches of small blocks (actors/heap.py)
