@@ -84,3 +84,16 @@ def given_by_nodes(job_env: dict, nice: int = 0) -> bool:
         return labelled(ray.nodes())
     except Exception:  # no answer from the GCS: pass the settings, as on any cluster
         return False
+
+
+def priority_note(nice: int, now: Optional[int] = None) -> str:
+    """A warning for the job's log when this process does not run at the job's niceness (''
+    when it does): the node it runs on did not give it the settings, e.g. a node whose Ray was
+    started without them joined after the job chose to rely on the label."""
+    now = os.nice(0) if now is None else now
+    if now == nice:
+        return ""
+    return (f"relaytrain: warning: this process runs at niceness {now}, not the job's resources.nice {nice} "
+            f"(Ray starts its processes at 15 unless told otherwise): its node's Ray was started without the "
+            f"environment relaytrain's processes need, or with the label {LABEL}={VERSION} but not that "
+            "environment; start every node's Ray as actors/nodeenv.py says (README, \"The job's processes\")")

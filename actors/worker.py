@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -31,6 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from actors import nodeenv
 from actors.copies import KeptCopies, Uploads
 from actors.failures import PeerLost, talking_to_peers
 from actors.heap import StepThread, keep_freed
@@ -66,6 +68,9 @@ class StageWorker:
         lazydynamo.defer()  # building layers and optimizers would import torch._dynamo: 1.3-2.3 s of CPU, 140 MB
         self.job_id = job_id
         self.spec = JobSpec.model_validate(spec)
+        slow = nodeenv.priority_note(self.spec.resources.nice)  # its node did not give it the job's niceness
+        if slow:
+            print(slow, file=sys.stderr)  # to the job's log (OutputTap)
         self.search = [os.getcwd(), *search]
         self.timeout = timeout
         torch.set_num_threads(max(1, int(self.spec.resources.cpus_per_worker)))

@@ -246,3 +246,12 @@ def test_a_job_starts_its_processes_without_a_runtime_env_only_where_every_node_
                                                           "RAY_worker_niceness": "4"}}
     assert launch.job_process_env({"env_vars": {"RAY_get_check_signal_interval_milliseconds": "50"}}, 0)["env_vars"] == \
         {"RAY_get_check_signal_interval_milliseconds": "50", "RAY_worker_niceness": "0"}
+
+
+def test_a_process_off_the_jobs_niceness_says_so_in_the_jobs_log():
+    from actors import nodeenv
+
+    assert nodeenv.priority_note(0, now=0) == "" and nodeenv.priority_note(6, now=6) == ""
+    note = nodeenv.priority_note(0, now=15)
+    assert "runs at niceness 15, not the job's resources.nice 0" in note
+    assert "relaytrain/process-env=1" in note and "actors/nodeenv.py" in note
