@@ -88,8 +88,9 @@ def given_by_nodes(job_env: dict, nice: int = 0) -> bool:
 
 def priority_note(nice: int, now: Optional[int] = None) -> str:
     """A warning for the job's log when this process does not run at the job's niceness (''
-    when it does): the node it runs on did not give it the settings, e.g. a node whose Ray was
-    started without them joined after the job chose to rely on the label."""
+    when it does): the node it runs on did not give it the settings, e.g. a node labelled but
+    started without them, or one without the label that joined between the job's look at the
+    nodes and this worker's placement."""
     now = os.nice(0) if now is None else now
     if now == nice:
         return ""
