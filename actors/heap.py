@@ -89,19 +89,15 @@ def runtime_env(job_env: dict, nice: int = 0, parent: Optional[dict] = None) -> 
         return {}
     env = job_env.get("env_vars") or {}
     inherited = (parent or {}).get("env_vars") or {}
-    wanted = nodeenv.settings(nice)
-    ours = {k: wanted[k] for k in ("RAY_worker_niceness", "RAY_get_check_signal_interval_milliseconds")
-            if k not in env and k not in inherited}
-    if "MALLOC_ARENA_MAX" not in env:
-        ours["MALLOC_ARENA_MAX"] = "1"
-    if "GLIBC_TUNABLES" not in env and env.get("RELAYTRAIN_KEEP_FREED", os.environ.get("RELAYTRAIN_KEEP_FREED")) != "0":
-        ours["GLIBC_TUNABLES"] = nodeenv.tunables(os.environ.get("GLIBC_TUNABLES"))  # the job's processes share one environment
+    # what the job's processes see: this process's environment (which they share) under the job's own
+    wanted = nodeenv.settings(nice, {**os.environ, **env})
+    ours = {k: v for k, v in wanted.items() if k not in env and k not in inherited}
     return {"runtime_env": {"env_vars": ours}} if ours else {}
 
 
 def keep_freed() -> str:
     """Tune this process's malloc as above; returns what was done (a worker keeps it as ``heap``)."""
-    if os.environ.get("RELAYTRAIN_KEEP_FREED", "1") == "0":
+    if not nodeenv.keep_freed_on():
         return "off (RELAYTRAIN_KEEP_FREED=0)"
     chosen = [k for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_") if k in os.environ]
     if chosen or "_threshold" in os.environ.get("GLIBC_TUNABLES", ""):

@@ -35,7 +35,8 @@ NO_TCACHE = "glibc.malloc.tcache_count=0"
 
 
 def keep_freed_on(env: Optional[dict] = None) -> bool:
-    """Whether actors/heap.py's malloc settings apply (``RELAYTRAIN_KEEP_FREED=0`` turns them off)."""
+    """Whether actors/heap.py keeps freed memory: glibc's thresholds and its per-thread caches
+    (``RELAYTRAIN_KEEP_FREED=0`` leaves both as glibc has them; the one arena stays)."""
     env = os.environ if env is None else env
     return env.get("RELAYTRAIN_KEEP_FREED") != "0"
 
@@ -52,9 +53,9 @@ def settings(nice: int = 0, env: Optional[dict] = None) -> dict:
     """The environment variables a job's processes need at niceness ``nice``, over ``env`` (by
     default this process's environment, whose ``GLIBC_TUNABLES`` is kept)."""
     env = os.environ if env is None else env
-    out = {"RAY_worker_niceness": str(int(nice)), "RAY_get_check_signal_interval_milliseconds": str(GET_RECHECK_MS)}
+    out = {"RAY_worker_niceness": str(int(nice)), "RAY_get_check_signal_interval_milliseconds": str(GET_RECHECK_MS),
+           "MALLOC_ARENA_MAX": "1"}
     if keep_freed_on(env):
-        out["MALLOC_ARENA_MAX"] = "1"
         out["GLIBC_TUNABLES"] = tunables(env.get("GLIBC_TUNABLES"))
     return out
 

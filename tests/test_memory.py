@@ -239,7 +239,9 @@ def test_a_job_starts_its_processes_without_a_runtime_env_only_where_every_node_
     assert not nodeenv.labelled([])
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.setenv("RELAYTRAIN_KEEP_FREED", "0")
-    assert nodeenv.settings(5) == {"RAY_worker_niceness": "5", "RAY_get_check_signal_interval_milliseconds": "100"}
+    # the one arena stays where RELAYTRAIN_KEEP_FREED=0 leaves glibc's thresholds and caches, as in a runtime_env
+    assert nodeenv.settings(5) == {"RAY_worker_niceness": "5", "RAY_get_check_signal_interval_milliseconds": "100",
+                                   "MALLOC_ARENA_MAX": "1"}
     monkeypatch.setattr(nodeenv, "given_by_nodes", lambda job_env, nice=0: not job_env and not nice)
     assert launch.job_process_env({}, 0) is None
     assert launch.job_process_env({}, 4) == {"env_vars": {"RAY_get_check_signal_interval_milliseconds": "100",
