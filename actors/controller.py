@@ -13,7 +13,7 @@ import time
 import traceback
 from typing import Callable, Optional
 
-from actors import evaluation, layerfacts
+from actors import codepkg, evaluation, layerfacts
 from actors.cluster import NodeWatch, largest_node_memory
 from actors.failures import JobCancelled, JobFailure, LostWorkerFailure, WorkerLost, cell_name
 from actors.jobstates import (Cancelled, Failed, Finishing, Preempted, Reshaping, Restarting, Running, Starting, State,
@@ -136,10 +136,25 @@ class JobController:
 
     # ---------------------------------------------------------------- starting
 
+    def _ship_code(self) -> None:
+        """The job's code package, when relaytrain ships it (actors/codepkg.py): read, kept for
+        the workers, unpacked here and first in ``search`` (the trace runs in it)."""
+        shipped = getattr(self.group, "shipped", None)
+        if shipped is None or shipped.folder is not None:
+            return
+        try:
+            folder = shipped.ready()
+        except codepkg.PackageMissing as e:
+            raise JobFailure(str(e)) from None
+        except Exception as e:
+            raise JobFailure(f"the job's code package {shipped.uri} could not be unpacked: {type(e).__name__}: {e}") from None
+        self.search = [folder, *[d for d in self.search if d != folder]]
+
     def _start(self, state: Starting) -> State:
         early, self.kept = self.kept, {}  # a restart's live workers (see _restart)
         if self.layers is None:
             self.record.event("started", f"job {self.job_id} started")
+            self._ship_code()
             self.group.gpus = self.group.gpus_per_worker()
             if not self.elastic and not self.group.workers:  # its workers start while the model is traced
                 p = self.spec.parallelism
@@ -148,7 +163,8 @@ class JobController:
                 self.layers = self.traced  # `relaytrain run` traced it before it started anything
             else:
                 self.layers = layerfacts.learn_for_job(self.spec, self.search, gpu=self.group.gpus > 0,
-                                                       cancelled=self.cancelled.is_set)
+                                                       cancelled=self.cancelled.is_set,
+                                                       cwd=getattr(getattr(self.group, "shipped", None), "folder", None))
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:

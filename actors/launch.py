@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import ray
 
-from actors import nodeenv
+from actors import codepkg, nodeenv
 from service import rayconnect
 from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
@@ -121,13 +121,14 @@ def start_scheduler(job_id: str, spec: dict, search: list[str], *, runtime_env: 
     from actors.scheduler import JobScheduler
 
     options: dict[str, Any] = {"lifetime": "detached"} if detached else {}
-    env = job_process_env(runtime_env or {}, (spec.get("resources") or {}).get("nice", 0))
+    rest, code = codepkg.split(runtime_env or {})  # a working_dir package alone: shipped by relaytrain
+    env = job_process_env(rest, (spec.get("resources") or {}).get("nice", 0))
     if env is not None:
         options["runtime_env"] = env
     return ray.remote(JobScheduler).options(
         name=scheduler_name(job_id), namespace=NAMESPACE, num_cpus=0, max_concurrency=4,
         **scheduler_placement(), **options,
-    ).remote(job_id, spec, search, detached=detached, **kwargs)
+    ).remote(job_id, spec, search, detached=detached, code=code, **kwargs)
 
 
 def find_scheduler(job_id: str):

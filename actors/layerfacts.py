@@ -35,9 +35,10 @@ class Layers:
 
 
 def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
-                  cancelled: Callable[[], bool] = lambda: False) -> Layers:
+                  cancelled: Callable[[], bool] = lambda: False, cwd: Optional[str] = None) -> Layers:
     """:func:`learn` as a job's scheduler runs it, in the job's own folder (its working_dir
-    comes first in ``search``): in a Ray task on the head node when called in an actor (the
+    comes first in ``search``; ``cwd``: the folder of the code package relaytrain ships, which
+    the trace runs in, actors/codepkg.py): in a Ray task on the head node when called in an actor (the
     scheduler), else here.  Raises :class:`SpecError` for a spec the trace refuses,
     ``JobFailure`` for an unexpected error in it, ``JobCancelled`` once ``cancelled()``."""
     import ray
@@ -49,7 +50,7 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
 
     ref = ray.remote(_learn_task).options(
         num_cpus=0, max_retries=0, name="relaytrain-preflight", runtime_env=ray.get_runtime_context().runtime_env,
-        **on_the_head()).remote(spec.model_dump(mode="json"), search, gpu)
+        **on_the_head()).remote(spec.model_dump(mode="json"), search, gpu, cwd)
     while not ray.wait([ref], timeout=0.5)[0]:
         if cancelled():
             ray.cancel(ref, force=True)
@@ -67,7 +68,7 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
     return out
 
 
-def _learn_task(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
+def _learn_task(spec: dict, search: list[str], gpu: Optional[bool], cwd: Optional[str] = None) -> tuple:
     """The Ray task of :func:`learn_for_job`: (kind, what, detail, printed): ("ok", Layers, ""),
     ("spec", message, "") or ("error", "Type: message", traceback), and the lines the user's code
     printed meanwhile.  Its process serves later jobs too, so the user's modules it imported
@@ -75,7 +76,13 @@ def _learn_task(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
     own code afresh, as its workers do."""
     tap = OutputTap.install()
     tap.take()  # nothing of an earlier job's
-    kind, out, detail = _traced(spec, search, gpu)
+    back = os.getcwd()
+    if cwd:  # the job's code package: its folder is the working directory, as in its workers
+        os.chdir(cwd)
+    try:
+        kind, out, detail = _traced(spec, search, gpu)
+    finally:
+        os.chdir(back)
     return kind, out, detail, tap.take()
 
 
@@ -85,7 +92,7 @@ def _traced(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
     from service import loading  # noqa: F401  (the engine's modules stay imported)
 
     own = [os.path.realpath(d) for d in search]
-    if ray.get_runtime_context().runtime_env.get("working_dir"):
+    if ray.get_runtime_context().runtime_env.get("working_dir") or os.path.realpath(os.getcwd()) in own:
         own.append(os.path.realpath(os.getcwd()))
     before = set(sys.modules)
     try:

@@ -18,6 +18,7 @@ from typing import Optional
 
 import ray
 
+from actors import codepkg
 from actors.controller import JobController
 from actors.record import JobRecord
 from actors.statekeeper import StateKeeper
@@ -31,7 +32,7 @@ class JobScheduler:
                  resume: Optional[str] = None, timeout: float = 300.0, start_timeout: float = 120.0,
                  store_url: Optional[str] = None, detached: bool = False, model_dir: Optional[str] = None,
                  rerun_through: int = 0, allocation: Optional[int] = None, traced=None, restarts_used: int = 0,
-                 finish_asked: Optional[str] = None):
+                 finish_asked: Optional[str] = None, code: Optional[str] = None):
         self.job_id = job_id
         self.detached = detached
         self.spec = JobSpec.model_validate(spec)
@@ -46,6 +47,7 @@ class JobScheduler:
         self.group = WorkerGroup(job_id, self.spec, search, timeout=timeout, start_timeout=start_timeout,
                                  detached=detached, log=self.record.log_output)
         self.group.on_wait = lambda why: self.record.event("waiting", why)
+        self.group.shipped = codepkg.Shipped(code) if code else None  # the job's code package (actors/codepkg.py)
         self.keeper = StateKeeper(self.group, checkpoint_root, resume, timeout, job_id)
         if model_dir is None and not (self.record.sink and detached):
             model_dir = tempfile.mkdtemp(prefix=f"relaytrain-{job_id}-model-")

@@ -9,6 +9,10 @@ each remote method calls the real one.  ``METHODS`` lists them; tests/test_step_
 that it names every public method of the real class."""
 from __future__ import annotations
 
+from typing import Optional
+
+from actors import codepkg
+
 METHODS = ("commit", "export", "snapshot", "keep_copy", "export_copy", "drop_copies", "save_part", "part_written",
            "write_final", "node_id", "ping", "take_output", "configure", "rendezvous_address", "connect",
            "deliver", "abort", "run_step", "run_eval", "shutdown")
@@ -17,9 +21,11 @@ METHODS = ("commit", "export", "snapshot", "keep_copy", "export_copy", "drop_cop
 class StageWorker:
     """One (dp_rank, pp_rank) cell of a job (actors/worker.py ``StageWorker``)."""
 
-    def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0):
+    def __init__(self, job_id: str, spec: dict, search: list[str], timeout: float = 300.0,
+                 code: Optional[tuple] = None):
         from actors.worker import StageWorker as Worker
 
+        codepkg.worker_enter(code)  # the job's code package, when relaytrain ships it (actors/codepkg.py)
         self._worker = Worker(job_id, spec, search, timeout)
 
     def __getattr__(self, name: str):

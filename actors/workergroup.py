@@ -14,7 +14,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from actors.failures import JobCancelled, JobFailure, cell_name, kind_of, step_failure
-from actors import heap
+from actors import codepkg, heap
 from actors.workeractor import StageWorker
 from service import names, planner
 from service.recipe import needs_global_norm
@@ -58,6 +58,7 @@ class WorkerGroup:
         self._joining_made = 0                           # workers started for scale-ups (their names' numbers)
         self.cancelled = threading.Event()               # set by JobScheduler.cancel: stop waiting for placement
         self.on_wait: Optional[Callable[[str], None]] = None  # told once when the placement waits (a waiting event)
+        self.shipped: Optional[codepkg.Shipped] = None   # the job's code, when relaytrain ships it (not Ray)
 
     # ---------------------------------------------------------------- placing
 
@@ -77,8 +78,10 @@ class WorkerGroup:
         spec_dict = self.spec.model_dump(mode="json")
         opts: dict[str, Any] = {"num_cpus": cpus, "num_gpus": self.gpus, "max_concurrency": 8,
                                 "namespace": names.NAMESPACE,
-                                **heap.runtime_env(self.spec.runtime_env, self.spec.resources.nice,
+                                **heap.runtime_env(codepkg.split(self.spec.runtime_env)[0] if self.shipped
+                                                   else self.spec.runtime_env, self.spec.resources.nice,
                                                    ray.get_runtime_context().runtime_env)}
+        code = self.shipped.for_workers if self.shipped else None
         tp = self.spec.parallelism.tp
         if not self.elastic and self.pg is None:  # a fixed shape is placed all at once, packed; a TP group in
             # one bundle (one node).  A restart keeps it: a new worker takes the bundle of the worker it replaces
@@ -98,7 +101,8 @@ class WorkerGroup:
                                          name=names.tp_group_name(self.job_id, self._groups_made))
                     self._group_pgs[pg.id.hex()] = pg
                 extra = {"scheduling_strategy": PlacementGroupSchedulingStrategy(pg, i % tp)}
-            h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout)
+            h = Worker.options(name=name, **opts, **extra).remote(self.job_id, spec_dict, self.search, self.timeout,
+                                                           code=code)
             self.names[h._actor_id.hex()] = name
             if own_groups:
                 self.tp_groups[h._actor_id.hex()] = (pg.id.hex(), i % tp)

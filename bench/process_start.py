@@ -1,7 +1,8 @@
 """What a job's processes cost to start, with their settings in a ``runtime_env`` against
-inherited from the node (actors/nodeenv.py).
+inherited from the node (actors/nodeenv.py); with ``--code``, a job of user code with its folder
+in Ray's ``working_dir`` against shipped by relaytrain (actors/codepkg.py).
 
-    .venv/bin/python bench/process_start.py [--rounds 2] [--jobs 5] [--actors 4] [--shape 2 2]
+    .venv/bin/python bench/process_start.py [--rounds 2] [--jobs 5] [--actors 4] [--shape 2 2] [--code]
 
 Each round runs each way in turn, in a fresh Python with a local Ray of its own (8 CPU slots):
 
@@ -11,6 +12,14 @@ Each round runs each way in turn, in a fresh Python with a local Ray of its own 
   * ``node``: the Ray started as relaytrain starts its own (``nodeenv.prepare()``: the settings in
     its environment, the label ``relaytrain/process-env=1``), so a job with no runtime_env of its
     own starts them with none.
+
+With ``--code`` both ways run on a Ray started as relaytrain's (``node``), the model is a user
+module (the same MLP) in a folder of its own, and the ways are:
+
+  * ``working_dir``: ``RELAYTRAIN_SHIP_CODE=0``, the folder goes to Ray as the job's
+    ``runtime_env.working_dir`` (each process started through ``setup_worker.py``, in the folder
+    the runtime-env agent unpacked);
+  * ``shipped``: relaytrain reads the package and each process unpacks it once per node.
 
 In each: ``--actors`` actors that import torch, three times (ready time, and the CPU the actors
 used, from ``os.times`` in each: exec keeps a process's CPU times); then ``--jobs`` jobs of the
@@ -38,6 +47,17 @@ sys.path.insert(0, str(ROOT))
 from bench.machine import machine  # noqa: E402
 
 MODES = ("runtime_env", "node")
+CODE_MODES = ("working_dir", "shipped")
+USER_MODEL = """
+from torch import nn
+
+
+def build(hidden=16, layers=2):
+    blocks = [nn.Linear(64, hidden), nn.ReLU()]
+    for _ in range(layers - 1):
+        blocks += [nn.Linear(hidden, hidden), nn.ReLU()]
+    return nn.Sequential(*blocks, nn.Linear(hidden, 10))
+"""
 
 
 def busy_cpu_s() -> float:
@@ -52,7 +72,10 @@ def one(mode: str, jobs: int, actors: int, shape: tuple[int, int]) -> dict:
 
     from actors import nodeenv
 
-    if mode == "node":
+    code = mode in CODE_MODES
+    if code:
+        os.environ["RELAYTRAIN_SHIP_CODE"] = "1" if mode == "shipped" else "0"
+    if mode == "node" or code:
         kw = {"labels": nodeenv.prepare()}
     else:
         for k in nodeenv.settings(0, env={}):
@@ -77,6 +100,10 @@ def one(mode: str, jobs: int, actors: int, shape: tuple[int, int]) -> dict:
             return t.user + t.system
 
     env = out["worker_runtime_env"]
+    folder = tempfile.mkdtemp(prefix="relaytrain-bench-code-")
+    Path(folder, "benchmodel.py").write_text(USER_MODEL)
+    if mode == "working_dir":  # the actors as a job's, with the folder in their runtime_env
+        env = {"runtime_env": {"working_dir": launch.upload_runtime_env({"working_dir": folder})["working_dir"]}}
     rounds = []
     for _ in range(3):
         t0 = time.monotonic()
@@ -89,20 +116,23 @@ def one(mode: str, jobs: int, actors: int, shape: tuple[int, int]) -> dict:
     out["actors"] = rounds
 
     def spec(i):
+        model = {"builder": "benchmodel:build"} if code else {"kind": "mlp", "args": {"hidden": 16, "layers": 2}}
         return parse_spec({
-            "name": f"start-{mode.replace('_', '-')}-{i}", "model": {"kind": "mlp", "args": {"hidden": 16, "layers": 2}},
+            "name": f"start-{mode.replace('_', '-')}-{i}", "model": model,
             "data": {"kind": "digits"}, "optimizer": {"name": "sgd", "lr": 0.05},
             "training": {"global_batch_size": 16, "microbatch_size": 4, "steps": 3, "seed": 1},
             "parallelism": {"dp": shape[0], "pp": shape[1]}})
 
     with tempfile.TemporaryDirectory() as tmp:
-        run_job(spec=spec(0), out=f"{tmp}/warm", progress=False, record=False)  # imports, caches
+        where = {"spec_dir": folder} if code else {}
+        run_job(spec=spec(0), out=f"{tmp}/warm", progress=False, record=False, **where)  # imports, caches
         c0, t0 = busy_cpu_s(), time.monotonic()
         for i in range(jobs):
-            r = run_job(spec=spec(i + 1), out=f"{tmp}/{i}", progress=False, record=False)
+            r = run_job(spec=spec(i + 1), out=f"{tmp}/{i}", progress=False, record=False, **where)
             assert r["state"] == "SUCCEEDED", r.get("error")
         out["jobs"] = {"n": jobs, "shape": list(shape), "time_s": time.monotonic() - t0, "machine_cpu_s": busy_cpu_s() - c0}
     ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
     return out
 
 
@@ -112,14 +142,16 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=5)
     ap.add_argument("--actors", type=int, default=4)
     ap.add_argument("--shape", type=int, nargs=2, default=(2, 2), metavar=("DP", "PP"))
-    ap.add_argument("--one", choices=MODES, help=argparse.SUPPRESS)  # a child: one way, printed as JSON
+    ap.add_argument("--code", action="store_true", help="a job of user code: Ray's working_dir against relaytrain's shipping")
+    ap.add_argument("--one", choices=MODES + CODE_MODES, help=argparse.SUPPRESS)  # a child: one way, printed as JSON
     a = ap.parse_args()
     if a.one:
         print("RESULT " + json.dumps(one(a.one, a.jobs, a.actors, tuple(a.shape))), flush=True)
         return
     runs = []
+    modes = CODE_MODES if a.code else MODES
     for r in range(a.rounds):
-        for mode in MODES:
+        for mode in modes:
             subprocess.run([shutil.which("ray", path=os.path.dirname(sys.executable)) or "ray", "stop", "--force"],
                            capture_output=True)
             p = subprocess.run([sys.executable, __file__, "--one", mode, "--jobs", str(a.jobs), "--actors", str(a.actors),
@@ -131,24 +163,26 @@ def main() -> None:
             print(f"round {r} {mode}: done", file=sys.stderr, flush=True)
     lines = [f"# {machine()}",
              f"{a.actors} actors that import torch (3 times in each run), then {a.jobs} {a.shape[0]}x{a.shape[1]} jobs "
-             f"of the built-in MLP, 3 steps, one after another; {a.rounds} runs each way, alternated", "",
+             f"of {'a user module (an MLP)' if a.code else 'the built-in MLP'}, 3 steps, one after another; "
+             f"{a.rounds} runs each way, alternated", "",
              "| way | scheduler's runtime_env | actors ready (s) | actors' CPU (s) | jobs (s) | machine CPU over the jobs (s) |",
              "|---|---|---|---|---|---|"]
-    for mode in MODES:
+    for mode in modes:
         mine = [x for x in runs if x["mode"] == mode]
         ready = [y["ready_s"] for x in mine for y in x["actors"]]
         cpu = [y["actors_cpu_s"] for x in mine for y in x["actors"]]
         jt = [x["jobs"]["time_s"] for x in mine]
         jc = [x["jobs"]["machine_cpu_s"] for x in mine]
         env = mine[0]["scheduler_runtime_env"]
-        lines.append(f"| {mode} | {'none' if env is None else ', '.join(sorted(env.get('env_vars', {})))} | "
+        env = "working_dir" if mode == "working_dir" else "none" if env is None else ", ".join(sorted(env.get("env_vars", {})))
+        lines.append(f"| {mode} | {env} | "
                      f"{min(ready):.1f}-{max(ready):.1f} (median {statistics.median(ready):.1f}) | "
                      f"{min(cpu):.1f}-{max(cpu):.1f} | {', '.join(f'{t:.1f}' for t in jt)} | {', '.join(f'{c:.0f}' for c in jc)} |")
     text = "\n".join(lines)
     print(text)
     res = ROOT / "bench" / "results"
     res.mkdir(parents=True, exist_ok=True)
-    name = f"process_start_{a.shape[0]}x{a.shape[1]}"
+    name = f"process_start_{'code_' if a.code else ''}{a.shape[0]}x{a.shape[1]}"
     (res / f"{name}.json").write_text(json.dumps(runs, indent=1))
     (res / f"{name}.txt").write_text(text + "\n")
 

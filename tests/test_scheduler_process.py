@@ -144,3 +144,139 @@ def test_relaytrain_run_hands_its_trace_to_the_scheduler(ray_session, tmp_path):
     built_in = set((tmp_path / "built_in").read_text().split())
     assert not any("preflight" in p for p in built_in), built_in
     assert any("StageWorker" in p for p in built_in), built_in  # the workers build their layers
+
+
+NOTED_MODEL = """
+import json, os
+import ray
+from torch import nn
+
+def build():
+    width = int(open("width.txt").read())  # a file of the job's folder, read from the working directory
+    with open({notes!r}, "a") as f:
+        f.write(json.dumps({{"argv0": open("/proc/self/cmdline").read().split(chr(0))[1:2],
+                             "title": open("/proc/self/cmdline").read()[:80], "cwd": os.getcwd(),
+                             "runtime_env": ray.get_runtime_context().runtime_env}}) + "\\n")
+    return nn.Sequential(nn.Linear(64, width), nn.ReLU(), nn.Linear(width, 10))
+"""
+
+
+def test_a_jobs_code_package_reaches_its_trace_and_workers_without_a_runtime_env(ray_session, tmp_path, monkeypatch):
+    """A job whose code is a package in the cluster (`relaytrain run` and `relaytrain submit`
+    upload it): its scheduler, its pre-flight trace and its workers get it from relaytrain, not
+    through a runtime_env (which costs each process a second start, actors/codepkg.py), and run in
+    its unpacked folder as Ray's working_dir would: the builder reads a file of the folder by a
+    relative path. The numbers equal one process's."""
+    import json
+
+    import torch
+
+    from actors import launch
+    from tests.reference import train as reference_train
+    from tests.test_engine import assert_same_params
+
+    ray = ray_session
+    folder = tmp_path / "code"
+    folder.mkdir()
+    notes = tmp_path / "notes.jsonl"
+    (folder / "notedpkg.py").write_text(NOTED_MODEL.format(notes=str(notes)))
+    (folder / "width.txt").write_text("48\n")
+    spec = parse_spec({"name": "pkg", "model": {"builder": "notedpkg:build"}, "data": {"kind": "digits"},
+                       "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 3},
+                       "parallelism": {"dp": 1, "pp": 2}})
+    env = launch.upload_runtime_env(launch.job_runtime_env(spec, str(folder)))
+    assert set(env) == {"working_dir"} and env["working_dir"].startswith("gcs://_ray_pkg_")
+    job_id = f"pkg-{uuid.uuid4().hex[:8]}"
+    model_dir = tmp_path / "model"
+    sched = launch.start_scheduler(job_id, spec.model_dump(mode="json"), [], runtime_env=env,
+                                   model_dir=str(model_dir))
+    try:
+        final = ray.get(sched.run.remote(), timeout=240)
+        index = ray.get(sched.model_index.remote())
+    finally:
+        ray.kill(sched)
+    assert final["state"] == "SUCCEEDED", final["error"]
+    seen = [json.loads(line) for line in notes.read_text().splitlines()]
+    titles = " ".join(s["title"] for s in seen)
+    assert "preflight" in titles and titles.count("StageWorker") >= 2, titles  # the trace and both workers built it
+    pkg_name = env["working_dir"][len("gcs://"):-len(".zip")]
+    for s in seen:
+        assert s["runtime_env"] == {}, s
+        assert s["cwd"].endswith(f"/relaytrain_code/{pkg_name}"), s
+    from actors.runner import _save_model
+
+    _save_model(index, model_dir, tmp_path / "model.pt")
+    monkeypatch.chdir(folder)  # one process, run in the job's folder
+    want, _ = reference_train(spec, search=[str(folder)])
+    assert_same_params(torch.load(tmp_path / "model.pt"), want)
+
+
+def test_a_code_package_gone_from_the_cluster_fails_the_job_saying_what_to_do(ray_session):
+    ray = ray_session
+    from actors import launch
+
+    spec = {"name": "gone", "model": {"builder": "nosuchpkg:build"}, "data": {"kind": "digits"},
+            "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 1}, "parallelism": {"dp": 1, "pp": 2}}
+    uri = "gcs://_ray_pkg_" + "ab" * 32 + ".zip"
+    sched = launch.start_scheduler(f"gone-{uuid.uuid4().hex[:8]}", spec, [], runtime_env={"working_dir": uri})
+    try:
+        final = ray.get(sched.run.remote(), timeout=120)
+    finally:
+        ray.kill(sched)
+    assert final["state"] == "FAILED"
+    assert final["error"].startswith(f"the job's code package {uri} is not in the cluster's store"), final["error"]
+    assert "submit the job again" in final["error"]
+
+
+def test_which_runtime_envs_relaytrain_ships_itself_and_how_it_unpacks(tmp_path, monkeypatch):
+    """Pure: only a working_dir package alone is shipped by relaytrain; unpacking is once per
+    node, safe against a concurrent unpack and refuses paths outside the folder."""
+    import io
+    import os
+    import zipfile
+
+    from actors import codepkg
+
+    uri = "gcs://_ray_pkg_" + "cd" * 32 + ".zip"
+    assert codepkg.split({"working_dir": uri}) == ({}, uri)
+    for env in ({}, {"working_dir": "/home/me/code"}, {"working_dir": "https://example.com/code.zip"},
+                {"working_dir": uri, "pip": ["x"]}, {"working_dir": uri, "env_vars": {"A": "1"}}):
+        assert codepkg.split(env) == (env, None)
+    monkeypatch.setenv("RELAYTRAIN_SHIP_CODE", "0")  # everything to Ray, as before
+    assert codepkg.split({"working_dir": uri}) == ({"working_dir": uri}, None)
+    monkeypatch.delenv("RELAYTRAIN_SHIP_CODE")
+
+    monkeypatch.setattr(codepkg, "_base", lambda: tmp_path / "base")
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr("mod.py", "X = 1\n")
+        z.writestr("sub/data.txt", "hello")
+    data = buf.getvalue()
+    reads = []
+
+    def give():
+        reads.append(1)
+        return data
+
+    folder = codepkg.install(uri, give)
+    assert folder == str(tmp_path / "base" / f"_ray_pkg_{'cd' * 32}")
+    assert (tmp_path / "base" / f"_ray_pkg_{'cd' * 32}" / "sub" / "data.txt").read_text() == "hello"
+    assert codepkg.install(uri, give) == folder and reads == [1]  # unpacked once: the second finds it
+    assert [p.name for p in (tmp_path / "base").iterdir()] == [f"_ray_pkg_{'cd' * 32}"]  # no scratch left
+
+    bad = io.BytesIO()
+    with zipfile.ZipFile(bad, "w") as z:
+        z.writestr("../evil.py", "")
+    with pytest.raises(ValueError, match="unsafe path '../evil.py'"):
+        codepkg.install("gcs://_ray_pkg_" + "ef" * 32 + ".zip", bad.getvalue())
+    assert not (tmp_path / "evil.py").exists()
+
+    back, path = os.getcwd(), list(sys.path)
+    monkeypatch.setenv("PYTHONPATH", "/elsewhere")
+    try:
+        codepkg.enter(folder)
+        assert os.getcwd() == folder and sys.path[0] == folder
+        assert os.environ["PYTHONPATH"] == f"{folder}{os.pathsep}/elsewhere"
+    finally:
+        os.chdir(back)
+        sys.path[:] = path
