@@ -13,8 +13,8 @@ job's runtime_env asks, relaytrain ships it itself, with what Ray's working_dir 
   worker started later (a reshape, a restart of a worker) gets them from there, not from the GCS,
   which keeps a package no actor's runtime_env names for only 10 minutes;
 - each process unpacks it once per node, under the Ray session's folder
-  (``relaytrain_code/_ray_pkg_<hash>``: its content's hash, so two jobs of the same code share
-  it), then makes it its working directory and the first entry of ``sys.path`` and ``PYTHONPATH``,
+  (``relaytrain_code/<node id>/_ray_pkg_<hash>``: its content's hash, so two jobs of the same
+  code share it), then makes it its working directory and the first entry of ``sys.path`` and ``PYTHONPATH``,
   as Ray's working_dir does.
 
 Any other runtime_env (``pip``, ``py_modules``, ``env_vars``, a working_dir that is a local
@@ -62,11 +62,14 @@ def fetch(uri: str) -> bytes:
 
 
 def _base() -> Path:
-    """This node's folder for unpacked packages: in the Ray session's folder."""
+    """This node's folder for unpacked packages: in the Ray session's folder, under the node's
+    id (the nodes of a simulated cluster share one machine's session folder, and each unpacks
+    its own copy from the object store, as the nodes of a real cluster do)."""
     try:
+        import ray
         import ray._private.worker as w
 
-        return Path(w.global_worker.node.get_session_dir_path()) / FOLDER
+        return Path(w.global_worker.node.get_session_dir_path()) / FOLDER / ray.get_runtime_context().get_node_id()
     except Exception:  # not in a Ray worker (a test, a tool): the machine's temp folder
         return Path(tempfile.gettempdir()) / FOLDER
 

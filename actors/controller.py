@@ -164,7 +164,8 @@ class JobController:
             else:
                 self.layers = layerfacts.learn_for_job(self.spec, self.search, gpu=self.group.gpus > 0,
                                                        cancelled=self.cancelled.is_set,
-                                                       cwd=getattr(getattr(self.group, "shipped", None), "folder", None))
+                                                       cwd=getattr(getattr(self.group, "shipped", None), "folder", None),
+                                                       worker=next(iter(early.values()), None) if early else None)
             self.group.skips = list(self.layers.skips)
             self.reshaper = self.make_reshaper(self.group, self.keeper, self.layers.facts.layers, set(self.layers.stateless))
             if self.elastic:

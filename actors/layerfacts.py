@@ -3,9 +3,11 @@ each layer's cost (declared in the spec, or estimated from its FLOPs and bytes),
 bytes, output shape and bytes, and which layers carry no state (service/tracing.py).
 
 A job's scheduler does not import torch (it would cost each job about 2.4 s of CPU and 300 MB
-on the head node, before its workers could start): ``learn_for_job`` traces the model in a
-Ray task on the head node, in the job's runtime_env, whose process Ray keeps and reuses for
-the next job with the same runtime_env.  What comes back is plain data: dtypes travel by name
+on the head node, before its workers could start): ``learn_for_job`` has the model traced in
+the job's first worker when it has one already (a fixed shape's workers start before the
+trace, and import torch and the job's code for their stages anyway: ``StageWorker.trace``),
+else in a Ray task on the head node, in the job's runtime_env, whose process Ray may keep and
+reuse for the next job with the same runtime_env.  What comes back is plain data: dtypes travel by name
 (``service/tracing.py``: ``dtype_name``), and the workers turn them back into torch's."""
 from __future__ import annotations
 
@@ -35,12 +37,15 @@ class Layers:
 
 
 def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
-                  cancelled: Callable[[], bool] = lambda: False, cwd: Optional[str] = None) -> Layers:
+                  cancelled: Callable[[], bool] = lambda: False, cwd: Optional[str] = None,
+                  worker=None) -> Layers:
     """:func:`learn` as a job's scheduler runs it, in the job's own folder (its working_dir
     comes first in ``search``; ``cwd``: the folder of the code package relaytrain ships, which
-    the trace runs in, actors/codepkg.py): in a Ray task on the head node when called in an actor (the
-    scheduler), else here.  Raises :class:`SpecError` for a spec the trace refuses,
-    ``JobFailure`` for an unexpected error in it, ``JobCancelled`` once ``cancelled()``."""
+    the trace runs in, actors/codepkg.py): in ``worker``, one of the job's own workers already
+    starting (a fixed shape's, which has or will have torch and the job's code imported anyway),
+    else in a Ray task on the head node when called in an actor (the scheduler), else here.
+    Raises :class:`SpecError` for a spec the trace refuses, ``JobFailure`` for an unexpected
+    error in it, ``JobCancelled`` once ``cancelled()``."""
     import ray
 
     if not (ray.is_initialized() and ray.get_runtime_context().get_actor_id()):
@@ -48,18 +53,29 @@ def learn_for_job(spec: JobSpec, search: list[str], gpu: Optional[bool] = None,
     from actors.failures import JobCancelled, JobFailure
     from service.names import on_the_head
 
-    ref = ray.remote(_learn_task).options(
-        num_cpus=0, max_retries=0, name="relaytrain-preflight", runtime_env=ray.get_runtime_context().runtime_env,
-        **on_the_head()).remote(spec.model_dump(mode="json"), search, gpu, cwd)
-    while not ray.wait([ref], timeout=0.5)[0]:
-        if cancelled():
-            ray.cancel(ref, force=True)
-            raise JobCancelled("job cancelled while its model was traced")
-    try:
-        kind, out, detail, printed = ray.get(ref)
-    except ray.exceptions.RayError as e:  # its process died (out of memory, killed)
-        raise JobFailure(f"the pre-flight check of the model was lost: {type(e).__name__}: "
-                         f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}", detail=str(e)) from None
+    def wait(ref, stop):
+        while not ray.wait([ref], timeout=0.5)[0]:
+            if cancelled():
+                stop(ref)
+                raise JobCancelled("job cancelled while its model was traced")
+        return ray.get(ref)
+
+    got = None
+    if worker is not None:  # no process of its own: the worker's torch and imports serve its stage next
+        try:
+            got = wait(worker.trace.remote(gpu), lambda ref: None)
+        except ray.exceptions.RayActorError:
+            got = None  # that worker was lost before it answered (its node went): a task of its own, below
+    if got is None:
+        ref = ray.remote(_learn_task).options(
+            num_cpus=0, max_retries=0, name="relaytrain-preflight", runtime_env=ray.get_runtime_context().runtime_env,
+            **on_the_head()).remote(spec.model_dump(mode="json"), search, gpu, cwd)
+        try:
+            got = wait(ref, lambda r: ray.cancel(r, force=True))
+        except ray.exceptions.RayError as e:  # its process died (out of memory, killed)
+            raise JobFailure(f"the pre-flight check of the model was lost: {type(e).__name__}: "
+                             f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}", detail=str(e)) from None
+    kind, out, detail, printed = got
     OutputTap.install().put(printed)  # what the user's code printed: the job's log, as the scheduler's
     if kind == "spec":
         raise SpecError(out)
@@ -96,11 +112,7 @@ def _traced(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
         own.append(os.path.realpath(os.getcwd()))
     before = set(sys.modules)
     try:
-        return "ok", learn(JobSpec.model_validate(spec), [os.getcwd(), *search], gpu), ""
-    except SpecError as e:
-        return "spec", str(e), ""
-    except Exception as e:
-        return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
+        return outcome(JobSpec.model_validate(spec), [os.getcwd(), *search], gpu)
     finally:
         for name in set(sys.modules) - before:
             where = os.path.realpath(getattr(sys.modules[name], "__file__", None) or "/")
@@ -109,6 +121,17 @@ def _traced(spec: dict, search: list[str], gpu: Optional[bool]) -> tuple:
 
 
 ENGINE = ("actors", "service", "api", "relaytrain")  # never forgotten, wherever they lie
+
+
+def outcome(spec: JobSpec, search: list[str], gpu: Optional[bool]) -> tuple:
+    """:func:`learn` here, as (kind, what, detail): ("ok", Layers, ""), ("spec", message, "")
+    or ("error", "Type: message", traceback)."""
+    try:
+        return "ok", learn(spec, search, gpu), ""
+    except SpecError as e:
+        return "spec", str(e), ""
+    except Exception as e:
+        return "error", f"{type(e).__name__}: {e}", traceback.format_exc()
 
 
 def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layers:

@@ -305,6 +305,21 @@ class StageWorker:
 
     # ---------------------------------------------------------------- wiring
 
+    def trace(self, gpu: Optional[bool]) -> tuple:
+        """The model's pre-flight check and trace (actors/layerfacts.py) in this worker, which
+        builds its stage from the same imports next: (kind, what, detail) as
+        ``layerfacts.outcome`` gives it, and the lines the user's code printed meanwhile, which
+        the scheduler logs as its own (the trace is its, as when a task ran it)."""
+        from actors import layerfacts
+
+        earlier = self.output.take()
+        try:
+            got = layerfacts.outcome(self.spec, self.search, gpu)
+        finally:
+            printed = self.output.take()
+            self.output.put(earlier)
+        return (*got, printed)
+
     def node_id(self) -> str:
         import ray
 

@@ -15,7 +15,7 @@ from actors import codepkg
 
 METHODS = ("commit", "export", "snapshot", "keep_copy", "export_copy", "drop_copies", "save_part", "part_written",
            "write_final", "node_id", "ping", "take_output", "configure", "rendezvous_address", "connect",
-           "deliver", "abort", "run_step", "run_eval", "shutdown")
+           "deliver", "abort", "run_step", "run_eval", "shutdown", "trace")
 
 
 class StageWorker:

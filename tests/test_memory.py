@@ -57,7 +57,14 @@ def spec_for(name: str, args: dict, tokens: str):
 
 
 def test_each_process_holds_only_its_share(ray_session, tmp_path, monkeypatch):
+    from actors import runner
     from actors.runner import run_job
+
+    # the scheduler traces the model as the control plane's jobs have it: in the first worker
+    # (actors/layerfacts.py), whose peak before its first action must still be its own stage's,
+    # not the trace's; `relaytrain run` would hand the scheduler its own trace instead
+    start = runner.launch.start_scheduler
+    monkeypatch.setattr(runner.launch, "start_scheduler", lambda *a, **k: start(*a, **{**k, "traced": None}))
 
     monkeypatch.setenv("RELAYTRAIN_MODEL_PT_MAX_MB", "0")  # the driver's one-file copy is not under test
     tokens = str(tmp_path / "tokens.bin")

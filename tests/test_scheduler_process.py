@@ -161,12 +161,16 @@ def build():
 """
 
 
-def test_a_jobs_code_package_reaches_its_trace_and_workers_without_a_runtime_env(ray_session, tmp_path, monkeypatch):
+@pytest.mark.parametrize("elastic", [False, True], ids=["fixed", "elastic"])
+def test_a_jobs_code_package_reaches_its_trace_and_workers_without_a_runtime_env(ray_session, tmp_path, monkeypatch,
+                                                                                 elastic):
     """A job whose code is a package in the cluster (`relaytrain run` and `relaytrain submit`
     upload it): its scheduler, its pre-flight trace and its workers get it from relaytrain, not
     through a runtime_env (which costs each process a second start, actors/codepkg.py), and run in
     its unpacked folder as Ray's working_dir would: the builder reads a file of the folder by a
-    relative path. The numbers equal one process's."""
+    relative path. A fixed shape's trace runs in its first worker, no process of its own; an
+    elastic job's (no worker before its shape is chosen) in a task. The numbers equal one
+    process's."""
     import json
 
     import torch
@@ -183,7 +187,8 @@ def test_a_jobs_code_package_reaches_its_trace_and_workers_without_a_runtime_env
     (folder / "width.txt").write_text("48\n")
     spec = parse_spec({"name": "pkg", "model": {"builder": "notedpkg:build"}, "data": {"kind": "digits"},
                        "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 3},
-                       "parallelism": {"dp": 1, "pp": 2}})
+                       "parallelism": {"dp": 1, "pp": 2},
+                       "elastic": {"enabled": elastic, "min_workers": 2, "max_workers": 2}})
     env = launch.upload_runtime_env(launch.job_runtime_env(spec, str(folder)))
     assert set(env) == {"working_dir"} and env["working_dir"].startswith("gcs://_ray_pkg_")
     job_id = f"pkg-{uuid.uuid4().hex[:8]}"
@@ -198,11 +203,12 @@ def test_a_jobs_code_package_reaches_its_trace_and_workers_without_a_runtime_env
     assert final["state"] == "SUCCEEDED", final["error"]
     seen = [json.loads(line) for line in notes.read_text().splitlines()]
     titles = " ".join(s["title"] for s in seen)
-    assert "preflight" in titles and titles.count("StageWorker") >= 2, titles  # the trace and both workers built it
+    assert ("preflight" in titles) == elastic, titles  # the trace: in a task of its own, or in a worker
+    assert titles.count("StageWorker") >= 2 + (not elastic), titles  # both workers built their stages
     pkg_name = env["working_dir"][len("gcs://"):-len(".zip")]
     for s in seen:
         assert s["runtime_env"] == {}, s
-        assert s["cwd"].endswith(f"/relaytrain_code/{pkg_name}"), s
+        assert s["cwd"].endswith(f"/relaytrain_code/{ray.get_runtime_context().get_node_id()}/{pkg_name}"), s
     from actors.runner import _save_model
 
     _save_model(index, model_dir, tmp_path / "model.pt")
