@@ -739,3 +739,52 @@ def test_a_dead_schedulers_tp_group_placement_groups_are_released(cluster, tp_no
         assert table[other.id.hex()]["state"] != "REMOVED"
     finally:
         ray.util.remove_placement_group(other)
+
+
+def test_a_node_started_without_relaytrains_environment_still_runs_the_jobs_processes_as_it_asks(cluster, tmp_path):
+    """A cluster with one node started without relaytrain's environment and label (someone
+    else's `ray start`: Ray renices its workers to 15, Ray's get re-check, glibc's malloc): the
+    job's scheduler sees the unlabelled node and passes the settings in a runtime_env
+    (actors/nodeenv.py), so the worker placed there runs at the job's niceness with the get
+    re-check and the malloc settings, as the one on a labelled node does."""
+    from actors import launch
+    from bench import memory
+    from tests.test_priority import environ
+
+    with_nodes(cluster, 1)
+    plain = cluster.add_node(num_cpus=1, labels={}, env_vars={
+        "RAY_worker_niceness": "15", "RAY_get_check_signal_interval_milliseconds": "1000",
+        "MALLOC_ARENA_MAX": "8", "GLIBC_TUNABLES": ""})
+    try:
+        cluster.wait_for_nodes()
+        assert launch.job_process_env({}, 0) is not None  # not every node gives the settings
+        name = f"plain-node-{os.getpid()}-{int(time.time())}"
+        spec = parse_spec({
+            "name": name, "model": {"kind": "mlp", "args": {"hidden": 16, "layers": 2}}, "data": {"kind": "digits"},
+            "optimizer": {"name": "sgd", "lr": 0.05},
+            "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 300, "seed": 1},
+            "parallelism": {"dp": 1, "pp": 2}})
+        sampler = memory.Sampler(name, interval=0.05, pss_every=0)
+        sampler.start()
+        done: dict = {}
+        job = threading.Thread(target=lambda: done.update(
+            run_job(spec=spec, out=str(tmp_path), progress=False, record=False)), daemon=True)
+        job.start()
+        try:
+            deadline = time.monotonic() + 90
+            while time.monotonic() < deadline and job.is_alive() and len(sampler.workers()) < 2:
+                time.sleep(0.1)
+            workers = {n: a for n, a in sampler.actors.items() if a["kind"] == "worker"}
+            envs = {n: environ(a["pid"]) for n, a in workers.items()}
+        finally:
+            job.join(120)
+            sampler.stop()
+        assert done.get("state") == "SUCCEEDED", done
+        placed = set(done["shape"]["workers"].values())
+        assert plain.node_id in placed and len(placed) == 2, placed  # one worker on each node
+        assert sorted(a["nice"] for a in workers.values()) == [0, 0], workers
+        got = {n: (e.get("RAY_get_check_signal_interval_milliseconds"), e.get("MALLOC_ARENA_MAX"),
+                   e.get("GLIBC_TUNABLES")) for n, e in envs.items()}
+        assert list(got.values()) == [("100", "1", "glibc.malloc.tcache_count=0")] * 2, got
+    finally:
+        cluster.remove_node(plain)

@@ -98,7 +98,8 @@ def test_a_spec_the_trace_refuses_fails_the_job_saying_what_to_change(ray_sessio
 
 def test_each_job_traces_its_own_code_though_the_trace_process_serves_them_all(ray_session, tmp_path):
     """Two jobs whose code has the same module name in two folders: the pre-flight task's process
-    (kept by Ray for the next job with the same runtime_env) imports each job's own."""
+    (kept by Ray for the next job with the same runtime_env) imports each job's own.  The jobs are
+    elastic: a fixed shape's trace runs in its first worker instead (actors/layerfacts.py)."""
     ray = ray_session
     from actors.launch import start_scheduler
 
@@ -112,7 +113,7 @@ def test_each_job_traces_its_own_code_though_the_trace_process_serves_them_all(r
             f"    return nn.Sequential(*[nn.Linear(64, 64) for _ in range({layers} - 1)], nn.Linear(64, 10))\n")
         spec = {"name": "twin", "model": {"builder": "twinmodel:build"}, "data": {"kind": "digits"},
                 "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 1},
-                "parallelism": {"dp": 1, "pp": 2}}
+                "parallelism": {"dp": 1, "pp": 2}, "elastic": {"enabled": True, "min_workers": 2, "max_workers": 2}}
         sched = start_scheduler(f"twin-{layers}-{uuid.uuid4().hex[:8]}", spec, [str(folder)])
         try:
             final = ray.get(sched.run.remote(), timeout=240)
