@@ -66,6 +66,27 @@ def cluster(simulated_cluster):
     return simulated_cluster
 
 
+_STARTED: list = []  # the Jobs of the running test (stopped after it: see below)
+
+
+@pytest.fixture(autouse=True)
+def stop_leftover_jobs():
+    """A test that failed with its job still running (told to run 100,000 steps) left it holding
+    the simulated cluster's slots for the next tests, and its thread connected Ray again while
+    the cluster was shut down: each test's jobs are cancelled after it."""
+    yield
+    import ray
+
+    while _STARTED:
+        job = _STARTED.pop()
+        if job.thread.is_alive():
+            try:
+                ray.get(job.sched.cancel.remote(), timeout=10)
+            except Exception:
+                pass
+            job.thread.join(60)
+
+
 class Job:
     """run_job in a thread, with a view of its scheduler for the test to act on."""
 
@@ -73,6 +94,7 @@ class Job:
         self.spec, self.out, self.spec_dir = spec, str(tmp_path), spec_dir
         self.result, self.error = None, None
         self.thread = threading.Thread(target=self._run, daemon=True)
+        _STARTED.append(self)
         self.thread.start()
         self.sched = self._find_scheduler()
 
