@@ -770,8 +770,7 @@ def test_a_node_started_without_relaytrains_environment_still_runs_the_jobs_proc
     (actors/nodeenv.py), so the worker placed there runs at the job's niceness with the get
     re-check and the malloc settings, as the one on a labelled node does."""
     from actors import launch
-    from bench import memory
-    from tests.test_priority import environ
+    from tests.test_priority import run_sampled
 
     with_nodes(cluster, 1)
     plain = cluster.add_node(num_cpus=1, labels={}, env_vars={
@@ -786,21 +785,9 @@ def test_a_node_started_without_relaytrains_environment_still_runs_the_jobs_proc
             "optimizer": {"name": "sgd", "lr": 0.05},
             "training": {"global_batch_size": 16, "microbatch_size": 8, "steps": 300, "seed": 1},
             "parallelism": {"dp": 1, "pp": 2}})
-        sampler = memory.Sampler(name, interval=0.05, pss_every=0)
-        sampler.start()
-        done: dict = {}
-        job = threading.Thread(target=lambda: done.update(
-            run_job(spec=spec, out=str(tmp_path), progress=False, record=False)), daemon=True)
-        job.start()
-        try:
-            deadline = time.monotonic() + 90
-            while time.monotonic() < deadline and job.is_alive() and len(sampler.workers()) < 2:
-                time.sleep(0.1)
-            workers = {n: a for n, a in sampler.actors.items() if a["kind"] == "worker"}
-            envs = {n: environ(a["pid"]) for n, a in workers.items()}
-        finally:
-            job.join(120)
-            sampler.stop()
+        done, actors, envs = run_sampled(spec, tmp_path)
+        workers = {n: a for n, a in actors.items() if a["kind"] == "worker"}
+        envs = {n: e for n, e in envs.items() if n in workers}
         assert done.get("state") == "SUCCEEDED", done
         placed = set(done["shape"]["workers"].values())
         assert plain.node_id in placed and len(placed) == 2, placed  # one worker on each node
