@@ -76,8 +76,8 @@ def _base() -> Path:
 
 def install(uri: str, data: Any) -> str:
     """The package unpacked on this node (once: later calls, and the node's other processes,
-    find it); ``data`` is its bytes, an ObjectRef to them, or a callable giving them, read only
-    when the package is not unpacked here yet.  Returns the folder."""
+    find it); ``data`` is its bytes or an ObjectRef to them, read only when the package is not
+    unpacked here yet.  Returns the folder."""
     m = URI_RE.match(uri)
     if not m:
         raise ValueError(f"{uri!r} is not a package URI")
@@ -85,9 +85,7 @@ def install(uri: str, data: Any) -> str:
     target = base / m.group(1)
     if target.is_dir():
         return str(target)
-    if callable(data):
-        data = data()
-    elif not isinstance(data, (bytes, bytearray)):
+    if not isinstance(data, (bytes, bytearray)):
         import ray
 
         data = ray.get(data)
