@@ -30,6 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from actors.failures import waiting_on_peers
+
 
 class RunningStats:
     """The running statistics of a worker's BatchNorm layers over one step."""
@@ -87,7 +89,8 @@ class RunningStats:
                 flat[r, off + 2 * c] += n
             off += size
         if self.group is not None:
-            dist.all_reduce(flat, group=self.group)
+            with waiting_on_peers():
+                dist.all_reduce(flat, group=self.group)
         updates, off = [], 0
         for m, size in zip(self.modules, sizes):
             c = m.num_features

@@ -19,12 +19,14 @@ import gc
 import os
 import re
 import socket
+import sys
+import threading
 from datetime import timedelta
 from typing import Optional
 
 import torch.distributed as dist
 
-from actors.failures import talking_to_peers
+from actors.failures import talking_to_peers, waiting_on_peers
 
 
 def _sockets() -> dict[int, str]:
@@ -55,6 +57,22 @@ def _ray_ports() -> set[int]:
         return set()
 
 
+# process groups left while a step thread given up on still waited in them (Group.strand): kept
+# for the process's life, a few sockets and threads each, never destroyed under that wait
+_KEPT: list = []
+# how long leaving such a group may take before the worker goes on without it
+LEAVE_S = 10.0
+
+
+def _bounded(fn, seconds: float) -> None:
+    """``fn()`` on a helper thread, waited for at most ``seconds`` (it may block in gloo)."""
+    t = threading.Thread(target=fn, daemon=True, name="relaytrain-leave")
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise RuntimeError(f"leaving the process group took over {seconds:.0f} s")
+
+
 class Group:
     """The default process group of one shape, plus its stage subgroups."""
 
@@ -62,6 +80,7 @@ class Group:
         self.backend: Optional[str] = None
         self._fds: dict[int, str] = {}
         self._exclude: set[int] = set()
+        self._stranded = False
 
     def _track(self, before: dict[int, str]) -> None:
         for fd, ino in _sockets().items():
@@ -118,15 +137,29 @@ class Group:
                 pass
         self._fds.clear()
 
+    def strand(self) -> None:
+        """A step thread was given up on while it waited in this group (actors/heap.py
+        ``StepThread.abandon``): when the group is left, its process groups are kept, not
+        destroyed, since destroying a gloo group joins its threads, and one of them may be in the
+        wait that gloo ends only at the group's timeout."""
+        self._stranded = True
+
     def leave(self) -> None:
         """Abort and destroy the group; never hangs."""
         self.abort()
         if dist.is_initialized():
+            if self._stranded:
+                try:
+                    _KEPT.extend(dist.distributed_c10d._world.pg_map)
+                except Exception:
+                    pass
             try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+                _bounded(dist.destroy_process_group, LEAVE_S) if self._stranded else dist.destroy_process_group()
+            except Exception as e:
+                if self._stranded:
+                    print(f"relaytrain: {e}", file=sys.stderr, flush=True)
         self.backend = None
+        self._stranded = False
         # frees the ProcessGroupGloo objects nobody references any more (their sockets and
         # threads); what survives is frozen, so the next collection skips it: a full one over
         # torch's and the model's objects takes 0.2-0.5 s, on every reshape's critical path
@@ -175,7 +208,8 @@ class UsedOnly:
         import torch
 
         unused = torch.tensor([float(not p.relaytrain_got_grad) for p in self.params], device=self.params[0].device)
-        dist.all_reduce(unused, op=dist.ReduceOp.SUM, group=self.group)
+        with waiting_on_peers():
+            dist.all_reduce(unused, op=dist.ReduceOp.SUM, group=self.group)
         everywhere = float(dist.get_world_size(self.group))
         for p, n in zip(self.params, unused.tolist()):
             if n == everywhere:
@@ -268,8 +302,9 @@ class GradBuckets(UsedOnly):
         while self._next < len(self.buckets):
             self._launch(self._next)
         works, self._works = self._works, []
-        for work in works:
-            work.wait()
+        with waiting_on_peers():
+            for work in works:
+                work.wait()
         self._drop_unused()
 
     def close(self) -> None:

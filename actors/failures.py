@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
+import time
 from typing import Iterator, Optional
 
 import ray
@@ -57,6 +59,60 @@ def talking_to_peers(what: str) -> Iterator[None]:
         raise
     except Exception as e:
         raise PeerLost(f"{what} failed: {type(e).__name__}: {e}") from e
+
+
+class StepAbandoned(StageAborted):
+    """Raised in a step thread that was given up on (``abandon``) when its wait on peers ends:
+    another thread runs the worker's steps by then, so it must touch nothing on its way out."""
+
+
+# Waits on peers that the abort cannot end.  The abort shuts the group's sockets
+# (actors/collectives.py), and gloo then fails every pending operation, except one: a send of an
+# unbound buffer that had begun to write and was queued in its pair's transmit queue (the receiver
+# stopped reading for a moment: a loaded machine, a stalled process).  gloo's tcp
+# ``Pair::signalException`` signals the queued operations that carry a bound buffer only, so that
+# send's ``waitSend`` waits until the group's timeout (300 s), and so does whatever waits for it: a
+# ``finish_step``, or a tensor-parallel all-reduce in the step (tests/test_gloo_abort.py makes one).
+_waiting: dict[int, list] = {}   # thread id -> [depth, when its outermost wait began]
+_abandoned: set[int] = set()     # threads given up on
+
+
+@contextlib.contextmanager
+def waiting_on_peers() -> Iterator[None]:
+    """Around a blocking wait on peers (a receive, a send's completion, a collective): marks the
+    thread as parked in it, so that a step the abort could not wake can be told from one still
+    computing; in a thread given up on meanwhile, the wait's end raises ``StepAbandoned``."""
+    me = threading.get_ident()
+    mark = _waiting.setdefault(me, [0, time.monotonic()])
+    mark[0] += 1
+    try:
+        yield
+    finally:
+        mark[0] -= 1
+        if mark[0] == 0:
+            _waiting.pop(me, None)
+        if me in _abandoned:
+            raise StepAbandoned("this step was given up on while it waited on its peers")
+
+
+def waiting_since(thread: int) -> Optional[float]:
+    """When ``thread`` began the wait on peers it is parked in (``time.monotonic``), or None."""
+    mark = _waiting.get(thread)
+    return mark[1] if mark else None
+
+
+def abandon(thread: int) -> None:
+    _abandoned.add(thread)
+
+
+def forget(thread: int) -> None:
+    """``thread``, given up on, ends (its id may be another thread's next)."""
+    _abandoned.discard(thread)
+
+
+def abandoned(thread: Optional[int] = None) -> bool:
+    """Was ``thread`` (this one by default) given up on?"""
+    return (threading.get_ident() if thread is None else thread) in _abandoned
 
 
 class WorkerLost(Exception):

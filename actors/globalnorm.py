@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from actors.failures import talking_to_peers
+from actors.failures import talking_to_peers, waiting_on_peers
 
 
 # The threads microbatches run on, kept between steps: a thread's first torch work costs about
@@ -99,7 +99,8 @@ class GlobalNorm(torch.autograd.Function):
         sums = sums.clone()
         if group is not None:
             with talking_to_peers("summing the BatchNorm statistics with the stage's replicas"):
-                dist.all_reduce(sums, group=group)
+                with waiting_on_peers():
+                    dist.all_reduce(sums, group=group)
         n = sums[2 * c]
         mean = sums[:c] / n
         invstd = (sums[c:2 * c] / n - mean * mean).clamp_min(0).add(eps).rsqrt()
@@ -125,7 +126,8 @@ class GlobalNorm(torch.autograd.Function):
         if group is not None:  # the weight's and bias' gradients stay this replica's share (summed after)
             local_share = local.clone()
             with talking_to_peers("summing the BatchNorm gradients with the stage's replicas"):
-                dist.all_reduce(local, group=group)
+                with waiting_on_peers():
+                    dist.all_reduce(local, group=group)
         else:
             local_share = local
         mean_dy, mean_dy_xhat = local[:c] / n, local[c:] / n

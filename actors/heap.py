@@ -65,10 +65,11 @@ import ctypes.util
 import os
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from typing import Callable, Optional, TypeVar
 
-from actors import nodeenv
+from actors import failures, nodeenv
 
 T = TypeVar("T")
 
@@ -119,31 +120,98 @@ def keep_freed() -> str:
 class StepThread:
     """One daemon thread that runs what :meth:`run` is given, in order; the caller waits for the
     result or the exception (re-raised as it was).  ``threads``: the OpenMP team size it uses
-    (torch's thread count is per thread: a new thread would otherwise take the default)."""
+    (torch's thread count is per thread: a new thread would otherwise take the default).
+
+    A task parked in a wait on its peers that cannot end (actors/failures.py ``waiting_on_peers``)
+    can be given up on (:meth:`abandon`): its caller is answered at once, a new thread runs the
+    tasks queued behind it and every later one, and the old thread, once its wait ends, leaves
+    without touching anything (its wait raises ``StepAbandoned``)."""
 
     def __init__(self, threads: int, name: str = "relaytrain-step"):
+        self._threads, self._name = threads, name
+        self._lock = threading.Lock()
+        self._running: Optional[tuple] = None  # (thread id, future) of the task running
         self._work: queue.SimpleQueue = queue.SimpleQueue()
-        threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True).start()
+        self._start()
 
-    def _loop(self, threads: int) -> None:
+    def _start(self) -> None:
+        threading.Thread(target=self._loop, args=(self._work,), name=self._name, daemon=True).start()
+
+    def _loop(self, work: queue.SimpleQueue) -> None:
         import torch  # here: the scheduler names the worker's runtime_env without torch
 
-        torch.set_num_threads(threads)
+        torch.set_num_threads(self._threads)
+        me = threading.get_ident()
         while True:
-            fn, args, done = self._work.get()
+            fn, args, done = work.get()
             if not done.set_running_or_notify_cancel():
                 continue
+            with self._lock:
+                self._running = (me, done)
+            out = err = None
             try:
-                done.set_result(fn(*args))
+                out = fn(*args)
             except BaseException as e:  # the caller's thread raises it
-                done.set_exception(e)
-            del fn, args, done  # nothing of a step (its tensors, a failure's frames) waits here for the next
+                err = e
+            with self._lock:
+                if failures.abandoned(me):  # its caller was answered; another thread runs the next tasks
+                    failures.forget(me)  # thread ids are reused
+                    return
+                self._running = None
+            if err is None:
+                done.set_result(out)
+            else:
+                done.set_exception(err)
+            del fn, args, done, out, err  # nothing of a step (its tensors, a failure's frames) waits here for the next
 
     def submit(self, fn: Callable[..., T], *args) -> "Future[T]":
         """Queue ``fn(*args)`` behind what was queued before; its future."""
         done: Future = Future()
-        self._work.put((fn, args, done))
+        with self._lock:
+            self._work.put((fn, args, done))
         return done
 
     def run(self, fn: Callable[..., T], *args) -> T:
         return self.submit(fn, *args).result()
+
+    def busy(self) -> bool:
+        return self._running is not None
+
+    def parked_since(self) -> Optional[float]:
+        """When the task running began the wait on peers it is parked in (``time.monotonic``), or None."""
+        running = self._running
+        return failures.waiting_since(running[0]) if running else None
+
+    def abandon(self, why: BaseException) -> bool:
+        """Give up on the task running, parked in a wait on peers: its caller gets ``why``, and a
+        new thread takes the queue.  False when no task runs (it ended meanwhile)."""
+        with self._lock:
+            if self._running is None:
+                return False
+            thread, done = self._running
+            self._running = None
+            failures.abandon(thread)
+            old, self._work = self._work, queue.SimpleQueue()
+            while True:
+                try:
+                    self._work.put(old.get_nowait())
+                except queue.Empty:
+                    break
+            self._start()
+        done.set_exception(why)
+        return True
+
+    def give_up_if_parked(self, aborted: float, parked_s: float, watch_s: float, why: BaseException,
+                          still: Callable[[], bool] = lambda: True, first: Callable[[], None] = lambda: None) -> bool:
+        """After an abort at ``aborted`` (``time.monotonic``): abandon the task running once it
+        has been parked in a wait on peers for ``parked_s`` since the abort (or since its wait
+        began, if later), calling ``first()`` just before.  Watches until the task ends,
+        ``still()`` turns false (the worker moved on) or ``watch_s`` have passed; True if it gave
+        up on the task."""
+        while still() and self.busy() and time.monotonic() < aborted + watch_s:
+            since = self.parked_since()
+            if since is not None and time.monotonic() - max(since, aborted) > parked_s:
+                first()
+                return self.abandon(why)
+            time.sleep(0.05)
+        return False

@@ -61,7 +61,7 @@ stage_backward_input, stage_backward_weight = _split_backward()
 
 from actors import deferred, portals
 from actors.batchnorm import RunningStats
-from actors.failures import StageAborted, talking_to_peers
+from actors.failures import StageAborted, talking_to_peers, waiting_on_peers
 from actors.globalnorm import Lockstep
 from service import replicas as replicas_
 from service import schedules
@@ -600,7 +600,8 @@ class StepRunner:
             return float(sq), None
         with talking_to_peers(f"summing the gradient norm of step {step + 1} over every worker"):
             mine = float(sq)
-            dist.all_reduce(sq)
+            with waiting_on_peers():
+                dist.all_reduce(sq)
         return mine, float(sq.sqrt())
 
     def _autocast(self):

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from actors.failures import abandoned, waiting_on_peers
 from service import tensorplan
 from service.tensorplan import Split
 
@@ -200,9 +201,13 @@ class CollectiveBytes:
                     cls.bytes += t.numel() * t.element_size()
                     cls.calls += 1
                 try:
-                    return _orig(*a, **k)
+                    if _count:
+                        return _orig(*a, **k)
+                    with waiting_on_peers():  # a wait the abort may not end (actors/failures.py)
+                        return _orig(*a, **k)
                 except Exception as e:
-                    cls.failed = e
+                    if not abandoned():  # a thread given up on reports nothing to the step after
+                        cls.failed = e
                     raise
 
             setattr(funcol, name, counted)
@@ -239,7 +244,8 @@ def sum_grads(params: list, group, bucket_bytes: int) -> None:
             continue
         if bucket:
             flat = torch.cat([b.reshape(-1) for b in bucket])
-            dist.all_reduce(flat, group=group)
+            with waiting_on_peers():
+                dist.all_reduce(flat, group=group)
             off = 0
             for b in bucket:
                 b.copy_(flat[off:off + b.numel()].view_as(b))

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from actors.failures import waiting_on_peers
+
 KINDS = {"act": 0, "grad": 1, "tie": 2, "eval": 3, "skip": 4, "skipgrad": 5, "evalskip": 6}
 # "tie": a tied parameter's gradient, between any two stages; "eval": an evaluation's activation
 # (forward only); "skip", "skipgrad", "evalskip": a skip tensor between the chunks that stash and
@@ -161,16 +163,19 @@ class CollectiveTransport:
         if self._posted and self._posted[0][:2] == (kind, key):
             _, _, work, buf = self._posted.popleft()
             self._post()  # the next one flows in while this stage computes
-            work.wait()
+            with waiting_on_peers():
+                work.wait()
             return buf
         shape, dtype = like  # a receive nobody announced (a tied parameter's gradient)
         buf = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(buf, src=self.ranks[stage], tag=self._tag(kind, key))
+        with waiting_on_peers():
+            dist.recv(buf, src=self.ranks[stage], tag=self._tag(kind, key))
         return buf
 
     def finish_step(self) -> None:
-        for work, _ in self._pending:
-            work.wait()
+        with waiting_on_peers():
+            for work, _ in self._pending:
+                work.wait()
         self._pending.clear()
 
     def drop(self) -> None:

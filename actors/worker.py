@@ -32,9 +32,9 @@ from typing import Optional
 import torch
 from torch import nn
 
-from actors import nodeenv
+from actors import failures, nodeenv
 from actors.copies import KeptCopies, Uploads
-from actors.failures import PeerLost, talking_to_peers
+from actors.failures import PeerLost, StageAborted, talking_to_peers
 from actors.heap import StepThread, keep_freed
 from actors.output import OutputTap
 from actors.stage import Cell, Recipe, StepRunner
@@ -50,6 +50,14 @@ from service.replicas import stage_of
 from service.recipe import check_precision, lr_at, needs_global_norm, step_update
 from service.sampling import microbatches, step_indices
 from service.spec import JobSpec
+
+
+# an aborted step still parked in a wait on its peers this long after the abort shut the group's
+# sockets (gloo fails the others within about 10 ms) is in a wait gloo does not end: given up on
+PARKED_S = 1.5
+# how long after an abort the worker watches its step for that (then the scheduler's rule holds:
+# still running after 10 s, stuck)
+ABORT_WATCH_S = 20.0
 
 
 def device_for(gpus_per_worker: Optional[float], given: list, cuda: bool) -> torch.device:
@@ -539,7 +547,24 @@ class StageWorker:
             self._aborted = gen
             self.inbox.close(reason)
             self.wiring.group.abort()  # a step blocked in gloo fails at once, and so do its peers
+            if self._compute.busy():
+                threading.Thread(target=self._give_up_if_parked, args=(gen, time.monotonic()), daemon=True,
+                                 name="relaytrain-abort-watch").start()
         return True
+
+    def _give_up_if_parked(self, gen: int, aborted: float) -> None:
+        """A step still parked in a wait on its peers ``PARKED_S`` after the abort shut the
+        group's sockets is in one that gloo does not end (actors/failures.py): it is given up
+        on, so the scheduler hears of this worker at once and finds it alive, with its committed
+        state, rather than counting it stuck after 10 s and stopping it.  The step thread's
+        later wake-up (at the group's timeout) touches nothing."""
+        why = StageAborted(f"the step was discarded; it still waited on its peers {PARKED_S:.1f} s after the abort "
+                           f"(a wait gloo does not end): given up on")
+        # given up on, its groups are kept when left, not destroyed under the old thread's wait
+        if self._compute.give_up_if_parked(aborted, PARKED_S, ABORT_WATCH_S, why, still=lambda: self.gen == gen,
+                                           first=self.wiring.group.strand):
+            print(f"relaytrain: {self!r}: the aborted step still waited on its peers {time.monotonic() - aborted:.1f} s "
+                  f"after the abort: given up on; a new step thread takes the next steps", file=sys.stderr, flush=True)
 
     # ---------------------------------------------------------------- one step
 
@@ -620,6 +645,8 @@ class StageWorker:
             self.pending = step
             return dict(result, called=called, settled=settled, output=self.output.take())
         except BaseException as e:
+            if failures.abandoned():  # given up on: the worker has moved on without this thread
+                raise
             self.pending = None
             lost = self._as_peer_loss(e)
             # peers may wait on us: close our side of the group so they fail fast too
@@ -657,6 +684,8 @@ class StageWorker:
                                           aborted=lambda: self._aborted is not None, counted=counted)
             return dict(result, output=self.output.take())
         except BaseException as e:
+            if failures.abandoned():  # given up on: the worker has moved on without this thread
+                raise
             lost = self._as_peer_loss(e)
             self._leave_group()  # peers may wait on us: they fail fast too
             if lost is not None:
