@@ -390,6 +390,51 @@ def stick(job, cell: str) -> None:
     assert ray.get(job.worker(cell).__ray_call__.remote(stick_in_forward))
 
 
+def park(job, cell: str) -> None:
+    """The worker of ``cell`` parks its next forward in a wait on its peers that never ends (as
+    gloo leaves a send queued to a receiver that stopped reading: tests/test_gloo_abort.py), once."""
+    import ray
+
+    def park_in_forward(actor) -> bool:  # (in the worker; nested, so Ray sends it by value)
+        from actors.failures import waiting_on_peers
+
+        parked = []
+
+        def hook(module, args):
+            if not parked:
+                parked.append(True)
+                with waiting_on_peers():
+                    time.sleep(600)
+
+        actor._worker.stage[0].register_forward_pre_hook(hook)
+        return True
+
+    assert ray.get(job.worker(cell).__ray_call__.remote(park_in_forward))
+
+
+def test_a_step_parked_in_a_wait_the_abort_cannot_end_is_given_up_on_and_its_worker_kept(cluster, tmp_path):
+    """1x2 on three 1-CPU nodes: stage 0's worker is parked in a wait on its peers that the abort
+    does not end when stage 1's node crashes.  1.5 s after the abort the worker gives up on that
+    step and answers; the reshape keeps it, with its state, on its node and goes on at 1x2 with
+    the free node: nothing released, no 10 s wait, equal to the one-process loop."""
+    with_nodes(cluster, 3)
+    spec = elastic_spec("parked", 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
+    job = Job(spec, tmp_path)
+    p = job.wait_step(5)
+    park(job, "w0.0")
+    time.sleep(0.5)  # in its next step's first forward by now (a step takes ~30 ms)
+    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
+    result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs))
+    assert job.error is None, job.error
+    assert_same_params(final_params(tmp_path), check_result(result, spec, early=True))
+    assert events(result, "released") == []
+    [reshape] = events(result, "reshape")
+    assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 2], reshape
+    assert reshape["reason"].startswith("lost w0.1 "), reshape["reason"]
+    assert reshape["phases_s"]["survey_s"] < 8.0, reshape  # not the 10 s that counts a worker stuck
+    assert p["shape"]["workers"]["w0.0"] in events(result, "shape")[-1]["workers"].values()  # kept where it was
+
+
 def test_a_worker_stuck_in_its_step_gives_its_state_and_slot_to_the_reshape(cluster, tmp_path):
     """1x2 on three 1-CPU nodes, the model too big for one worker: stage 0's worker is stuck in
     its step (it answers, its step never ends) when stage 1's node crashes.  The one free node is
