@@ -412,21 +412,30 @@ def park(job, cell: str) -> None:
     assert ray.get(job.worker(cell).__ray_call__.remote(park_in_forward))
 
 
-def test_a_step_parked_in_a_wait_the_abort_cannot_end_is_given_up_on_and_its_worker_kept(cluster, tmp_path):
-    """1x2 on three 1-CPU nodes: stage 0's worker is parked in a wait on its peers that the abort
-    does not end when stage 1's node crashes.  1.5 s after the abort the worker gives up on that
-    step and answers; the reshape keeps it, with its state, on its node and goes on at 1x2 with
-    the free node: nothing released, no 10 s wait, equal to the one-process loop."""
+def stage_1_lost_while_held(cluster, tmp_path, name: str, hold) -> tuple[dict, dict]:
+    """A 1x2 job on three 1-CPU nodes (the model too big for one worker) whose stage-0 worker is
+    held in its next forward by ``hold(job, "w0.0")`` when stage 1's node crashes; run until its
+    reshape, and checked equal to the one-process loop.  (its progress before the loss, its result)"""
     with_nodes(cluster, 3)
-    spec = elastic_spec("parked", 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
+    spec = elastic_spec(name, 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
     job = Job(spec, tmp_path)
     p = job.wait_step(5)
-    park(job, "w0.0")
+    assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)
+    hold(job, "w0.0")
     time.sleep(0.5)  # in its next step's first forward by now (a step takes ~30 ms)
     cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
     result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs))
     assert job.error is None, job.error
     assert_same_params(final_params(tmp_path), check_result(result, spec, early=True))
+    return p, result
+
+
+def test_a_step_parked_in_a_wait_the_abort_cannot_end_is_given_up_on_and_its_worker_kept(cluster, tmp_path):
+    """1x2 on three 1-CPU nodes: stage 0's worker is parked in a wait on its peers that the abort
+    does not end when stage 1's node crashes.  1.5 s after the abort the worker gives up on that
+    step and answers; the reshape keeps it, with its state, on its node and goes on at 1x2 with
+    the free node: nothing released, no 10 s wait, equal to the one-process loop."""
+    p, result = stage_1_lost_while_held(cluster, tmp_path, "parked", park)
     assert events(result, "released") == []
     [reshape] = events(result, "reshape")
     assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [1, 2], reshape
@@ -441,17 +450,7 @@ def test_a_worker_stuck_in_its_step_gives_its_state_and_slot_to_the_reshape(clus
     not enough; the stuck worker's slot is.  Its layers and its copy of stage 1 go to the
     scheduler, it is stopped, and the job goes on at 1x2 on the two nodes left, equal to the
     one-process loop; it waited for slots its own worker held before."""
-    with_nodes(cluster, 3)
-    spec = elastic_spec("stuck", 1, 2, steps=100000, min_workers=2, max_workers=2, wait_timeout_s=60)
-    job = Job(spec, tmp_path)
-    p = job.wait_step(5)
-    assert (p["shape"]["dp"], p["shape"]["pp"]) == (1, 2)
-    stick(job, "w0.0")
-    time.sleep(0.5)  # in its next step's first forward by now (a step takes ~30 ms)
-    cluster.remove_node(node_of(cluster, p["shape"]["workers"]["w0.1"]), allow_graceful=False)
-    result = job.finish_after(lambda evs: any(e["type"] == "reshape" for e in evs))
-    assert job.error is None, job.error
-    assert_same_params(final_params(tmp_path), check_result(result, spec, early=True))
+    _, result = stage_1_lost_while_held(cluster, tmp_path, "stuck", stick)
     [released] = events(result, "released")
     assert released["workers"] == ["w0.0"] and "still in the aborted step" in released["message"]
     assert released["pieces"] > 0 and "first the scheduler took the state only it held of step" in released["message"]
