@@ -299,3 +299,84 @@ def test_a_checkpoint_a_lost_worker_could_not_write_is_not_counted_as_a_storage_
     assert writer.failures == 1 and record.events[-1][1].endswith("OSError: the bucket timed out; training goes on")
     with pytest.raises(JobFailure, match="2 checkpoints in a row could not be written"):
         writer._failed(25, OSError("the bucket timed out"))
+
+
+def test_a_checkpoint_due_while_the_previous_is_being_written_is_taken_at_the_next_boundary(ray_session, tmp_path):
+    """One checkpoint is written at a time: one due (step 10) while step 5's is still being
+    written is taken at the first step boundary after that one ends, says which step asked for
+    it, and is the one a restart finds; the next due one (15) is on time again."""
+    import threading
+
+    import ray
+
+    from actors.checkpoints import CheckpointWriter
+    from service.spec import parse_spec
+    from tests.test_api import small_spec
+
+    @ray.remote(max_concurrency=4)
+    class Part:  # a stage's worker of replica 0: its part is written once the test lets it
+        def __init__(self):
+            self.gates = {}
+
+        def _gate(self, step):
+            return self.gates.setdefault(step, threading.Event())
+
+        def save_part(self, folder, step):
+            self.folder = folder
+            return 0.001
+
+        def let(self, step):
+            self._gate(step).set()
+
+        def part_written(self, step):
+            self._gate(step).wait(60)
+            entry = checkpoint.write_part(self.folder, 0, 1, {"w": torch.full((3,), float(step))}, {"state": {}, "groups": []})
+            return {**entry, "copy_s": 0.0}
+
+    class Shape:
+        pp, tp = 1, 1
+
+        @staticmethod
+        def slot(s, j):
+            return s
+
+    class Group:
+        shape, workers = Shape(), {(0, 0): Part.remote()}
+
+    class Record:
+        def __init__(self):
+            self.events = []
+
+        def event(self, kind, message, **fields):
+            self.events.append({"type": kind, "message": message, **fields})
+
+    part = Group.workers[(0, 0)]
+    spec = parse_spec(small_spec("ckpt-late", 1000, checkpoint={"every_steps": 5, "path": str(tmp_path), "keep": 5}))
+    record = Record()
+    writer = CheckpointWriter(Group(), str(tmp_path), spec, record, {"job": "ckpt-late"}, timeout=60)
+    for step in range(1, 12):  # step 5's part is not written yet when step 10 asks for one
+        writer.after_commit(step)
+    assert writer.flight["step"] == 5 and writer.owed == 10 and record.events == []
+    ray.get(part.let.remote(5))
+    step = 12
+    while writer.flight["step"] == 5:  # the first boundary after step 5's is written starts the owed one
+        time.sleep(0.05)
+        writer.after_commit(step)
+        step += 1
+    late = writer.flight["step"]
+    assert late > 10 and writer.flight["asked"] == 10 and writer.owed is None
+    ray.get([part.let.remote(k) for k in (late, 15)])
+    deadline = time.monotonic() + 30
+    while writer.flight is not None:  # written while no boundary comes (a slow step)
+        assert time.monotonic() < deadline, "the late checkpoint was never written"
+        time.sleep(0.02)
+        writer.poll()
+    for k in range(step, 16):
+        writer.after_commit(k)
+    writer.poll(block=True)
+    written = [e for e in record.events if e["type"] == "checkpoint"]
+    assert [(e["step"], e["asked_at"]) for e in written[:3]] == [(5, 5), (late, 10), (15, 15)]
+    assert written[1]["message"].endswith("(due at step 10; the previous one was still being written)")
+    assert "due at" not in written[0]["message"] + written[2]["message"]
+    assert len(written) == 3 and [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(tmp_path)] == [5, late, 15]
+    assert checkpoint.load(written[1]["path"])["model"]["w"].tolist() == [float(late)] * 3
