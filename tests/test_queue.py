@@ -156,11 +156,11 @@ def test_an_elastic_job_shrinks_to_admit_another_tenants_job_and_grows_back(clus
             cluster.remove_node(n)
 
 
-def test_a_preemptible_job_gives_way_after_a_checkpoint_and_resumes(cluster, tmp_path):
+def test_a_preemptible_job_gives_way_after_a_checkpoint_and_resumes(cluster, tmp_path, capsys):
     server = serve(cluster, tmp_path)
     low_body = spec_dict("low", 100000, checkpoint={"every_steps": 50, "path": "ckpt", "keep": 2},
                          scheduling={"preemptible": True})
-    urgent_body = spec_dict("urgent", 20, scheduling={"priority": 5})
+    urgent_body = spec_dict("urgent", 40, scheduling={"priority": 5})
     try:
         with server.client() as a, server.client() as b:
             low = a.post("/v1/jobs", json=low_body).json()
@@ -172,6 +172,22 @@ def test_a_preemptible_job_gives_way_after_a_checkpoint_and_resumes(cluster, tmp
             [gone] = until(lambda: events(a, low["id"], {"preempted"}), timeout=60)
             assert gone["step"] > 60 and str(gone["step"]) in gone["checkpoint"], gone
             assert gone["message"].startswith(f"preempted after {gone['step']} committed steps")
+            # queued again, it holds no workers though its row keeps the shape it ran in: the
+            # cluster's view counted that shape (alice using 4 slots of 4 beside urgent's 2 with
+            # -2 starting, found by a user trial), and `relaytrain status` showed it as its shape
+            # (urgent takes both slots for its 40 steps: low stays QUEUED until they are done)
+            queued = until(lambda: (j := a.get(f"/v1/jobs/{low['id']}").json())["state"] == "QUEUED" and j, timeout=30)
+            until(lambda: b.get(f"/v1/jobs/{urgent['id']}").json()["step"] >= 1, timeout=60, what="urgent placed")
+            view = a.get("/v1/cluster").json()
+            assert a.get(f"/v1/jobs/{low['id']}").json()["state"] == "QUEUED"
+            assert queued["shape"]["dp"] == 1 and queued["shape"]["pp"] == 2  # kept: what it ran in
+            [alice] = [t for t in view["tenants"] if t["tenant"] == "alice"]
+            assert alice["queued"] == 1 and 0 <= alice["starting"] and alice["using"] + alice["starting"] <= 2, view
+            assert sum(t["using"] for t in view["tenants"]) <= view["capacity"], view
+            from api.cli import _print_job
+
+            _print_job(queued)
+            assert "no workers (ran as 1x2 until preempted)" in capsys.readouterr().out
             done_u = wait_state(b, urgent["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
             assert done_u["state"] == "SUCCEEDED", story(b, urgent["id"])
             [resumed] = until(lambda: events(a, low["id"], {"resumed"}), timeout=120, what="low resumed")

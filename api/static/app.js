@@ -103,8 +103,9 @@ function fmtAgo(t) {
 
 function fmtClock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
 
-function shapeText(shape) {
-  if (!shape || shape.dp == null) return "–";
+// a queued job holds no workers: a preempted one keeps its last shape in the row, not drawn as its own
+function shapeText(shape, state) {
+  if (!shape || shape.dp == null || state === "QUEUED") return "–";
   return `${shape.dp}×${shape.pp} · ${shape.schedule || ""}`;
 }
 
@@ -209,10 +210,10 @@ async function refreshList(gen) {
       const row = el("tr", { class: "clickable", "data-job-id": job.id, "data-state": job.state },
         el("td", { class: "job-cell" }, link, el("div", { class: "id mono", text: job.id })),
         el("td", {}, job.state === "QUEUED" ? Object.assign(badge(job.state), { title: queueText(job) }) : badge(job.state)),
-        el("td", { text: shapeText(job.shape) }),
+        el("td", { text: shapeText(job.shape, job.state) }),
         el("td", {}, progressCell(job)),
         el("td", { class: "num", text: fmtNum(job.loss) }),
-        el("td", { class: "num", text: fmtSpeed(job.samples_per_s) }),
+        el("td", { class: "num", text: job.state === "QUEUED" ? "–" : fmtSpeed(job.samples_per_s) }),
         el("td", { class: "muted", text: fmtAgo(job.created_at), title: new Date(job.created_at * 1000).toString() }));
       row.addEventListener("click", (e) => { if (e.target.tagName !== "A") location.hash = link.getAttribute("href"); });
       return row;
@@ -320,8 +321,8 @@ function drawJobHead(job) {
   $("#job-progress-bar").style.width = `${job.steps ? (100 * job.step) / job.steps : 0}%`;
   $("#job-progress").textContent = `${job.step} / ${job.steps} steps`;
   $("#job-loss").textContent = fmtNum(job.loss);
-  $("#job-speed").textContent = fmtSpeed(job.samples_per_s);
-  $("#job-shape").textContent = shapeText(job.shape);
+  $("#job-speed").textContent = job.state === "QUEUED" ? "–" : fmtSpeed(job.samples_per_s);
+  $("#job-shape").textContent = shapeText(job.shape, job.state);
   const end = job.ended_at || Date.now() / 1000;
   $("#job-time").textContent = job.started_at ? fmtDuration(end - job.started_at) : "not started";
   drawQueue(job);
@@ -445,10 +446,14 @@ async function loadOutput(v) {
 function drawShape(job) {
   const shape = job.shape || {};
   const body = $("#shape tbody");
-  $("#shape").hidden = shape.dp == null;
-  if (shape.dp == null) {
+  const queued = job.state === "QUEUED";
+  $("#shape").hidden = shape.dp == null || queued;
+  if (shape.dp == null || queued) {
     $("#shape-summary").textContent = TERMINAL.has(job.state) ? "The job ended before its workers were placed."
-      : job.state === "QUEUED" ? "The job is queued: its workers are placed once the cluster scheduler admits it."
+      : queued && shape.dp != null ? `The job is queued again and holds no workers: it gave its slots back after ` +
+        `step ${job.step} (it ran as dp ${shape.dp} × pp ${shape.pp}) and resumes from its checkpoint once ` +
+        `the cluster scheduler admits it.`
+      : queued ? "The job is queued: its workers are placed once the cluster scheduler admits it."
       : "The job has no shape yet (its workers are being placed).";
     body.replaceChildren();
     return;
