@@ -57,9 +57,26 @@ def _split_backward():
         return None, None
 
 
-stage_backward_input, stage_backward_weight = _split_backward()
+stage_backward_input, _stage_backward_weight = _split_backward()
+
+
+def stage_backward_weight(params, groups) -> None:
+    """torch's W (``stage_backward_weight``), noting each weight it wrote a gradient into.  It
+    writes ``weight.grad += dw`` (or a fresh ``.grad``) outside autograd's AccumulateGrad, so
+    the hooks that note a parameter's use this step (actors/collectives.py ``got_gradient``)
+    never fire: with replicas, every weight of a chunk under torch's split counted as unused on
+    every replica and lost its ``.grad`` before the optimizer (found by a user trial: from the
+    split trial's first step a 2x2 ZB-V GPT's last stage was not updated, half the gradient
+    norm)."""
+    params = list(params)
+    before = [None if w.grad is None else (w.grad, w.grad._version) for w in params]
+    _stage_backward_weight(iter(params), groups)
+    for w, was in zip(params, before):
+        if w.grad is not None and (was is None or w.grad is not was[0] or w.grad._version != was[1]):
+            got_gradient(w)
 
 from actors import deferred, portals
+from actors.collectives import got_gradient
 from actors.batchnorm import RunningStats
 from actors.failures import StageAborted, talking_to_peers, waiting_on_peers
 from actors.globalnorm import Lockstep

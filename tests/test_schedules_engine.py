@@ -265,3 +265,21 @@ def test_a_chunk_whose_output_is_a_view_splits_its_backward(ray_session, tmp_pat
     run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, record=False)
     want, _ = reference.train(spec, search=[FIXTURES])
     assert_same_params(torch.load(tmp_path / "model.pt"), want)
+
+
+def test_replicas_that_try_torchs_split_sum_its_weight_gradients(ray_session, tmp_path):
+    """ZB-V on 2x2 with a user's layers that call F.linear: their chunks try torch's split of
+    the backward from step 2 (``schedules.SPLIT_TRIAL``), whose W writes ``.grad`` outside
+    autograd.  Every step equals one process.  (Each replica took those weights for unused this
+    step and dropped their gradients: found by a user trial, a 2x2 ZB-V GPT whose last stage was
+    not updated from step 2, half the one-process gradient norm.)"""
+    d = spec_of(2, 2, "zbv", "collective", steps=4, parallelism={"partition": [2, 1, 1, 2]}).model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": 0.0}},
+             data={"kind": "digits"}, loss="cross_entropy")
+    spec = parse_spec(d)
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
+    assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"], rel=1e-5)
