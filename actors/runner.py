@@ -101,15 +101,26 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     import ray
 
     started_ray = launch.connect(ray_address, local_cpus)
+    try:  # a job this Ray can never hold is refused before anything in ``out`` is touched
+        launch.check_fits(spec)
+    except SpecError as e:
+        if started_ray:
+            ray.shutdown()
+        if started_ray and not ray_address:
+            raise SpecError(f"{e}; on this machine `--local-cpus N` gives the local Ray N worker slots (they "
+                            "are logical: more than its cores run, sharing them)") from None
+        raise
     outputs = _Outputs(Path(out), append=resume_path is not None)
     model_dir = (Path(out) / "model").resolve()
-    shutil.rmtree(model_dir, ignore_errors=True)  # no shard of an earlier run with another pp stays
+    # no shard of an earlier run with another pp stays, and no model.pt of an earlier run beside
+    # this run's files: the model is written when this job succeeds
+    shutil.rmtree(model_dir, ignore_errors=True)
+    (Path(out) / "model.pt").unlink(missing_ok=True)
     job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
     store = _record_in_store(job_id, spec) if record else None
     sched = None
     seen = _Seen(spec, progress)
     try:
-        launch.check_fits(spec)
         rerun_through, used = 0, 0
         while True:
             sched = launch.start_scheduler(

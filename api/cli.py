@@ -12,9 +12,12 @@ def _schedule(args) -> int:
 
     def cost(text: str, flag: str) -> Fraction:
         try:
-            return Fraction(text)
-        except (ValueError, ZeroDivisionError):
+            value = Fraction(text)
+        except (ValueError, ZeroDivisionError, OverflowError):
             raise ValueError(f"{flag} must be a number like 2, 1.5 or 3/2; got {text!r}") from None
+        if value <= 0:
+            raise ValueError(f"{flag} must be more than 0 (a time, in units of the forward's); got {text!r}")
+        return value
 
     chunks = args.stages_per_worker
     if chunks is None:  # the schedule's default, as parallelism.stages_per_worker's
@@ -467,6 +470,19 @@ def _download(client, args):
     print(out)
 
 
+def _positive(kind):
+    """An argparse type: a number of ``kind`` above 0 (a bad one: argparse's one-line error, exit 2)."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a{'n integer' if kind is int else ' number'}") from None
+        if not value > 0 or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be more than 0 (and finite), got {text}")
+        return value
+    return parse
+
+
 def _local_commands(sub) -> None:
     """The commands that need no server: run, schedule, serve."""
     run = sub.add_parser("run", help="train one job in the foreground")
@@ -475,8 +491,9 @@ def _local_commands(sub) -> None:
     run.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
     run.add_argument("--resume", nargs="?", const="", default=None, metavar="CKPT",
                      help="resume from a checkpoint folder, or the newest under the spec's checkpoint.path")
-    run.add_argument("--timeout", type=float, default=300.0, help="seconds a step may take before the job fails")
-    run.add_argument("--local-cpus", type=int, default=None,
+    run.add_argument("--timeout", type=_positive(float), default=300.0,
+                     help="seconds a step may take before the job fails")
+    run.add_argument("--local-cpus", type=_positive(int), default=None,
                      help="worker slots of the local Ray (default: the machine's cores; may be more)")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.set_defaults(fn=_run)
@@ -518,7 +535,7 @@ def _local_commands(sub) -> None:
     srv.add_argument("--port", type=int, default=None, help="port (default 8000)")
     srv.add_argument("--ray-address", default=None, help="an existing Ray cluster (default: start a local one)")
     srv.add_argument("--db", default=None, help="job store URL (default: SQLite under the user's data folder)")
-    srv.add_argument("--local-cpus", type=int, default=None, help="CPU slots of the local Ray (default: all cores)")
+    srv.add_argument("--local-cpus", type=_positive(int), default=None, help="CPU slots of the local Ray (default: all cores)")
     srv.set_defaults(fn=_serve)
 
 

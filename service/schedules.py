@@ -578,10 +578,18 @@ def unit_of(values) -> Fraction:
     return Fraction(math.gcd(*(x.numerator * (den // x.denominator) for x in values)), den)
 
 
+MAX_GRID_CELLS = 2000  # columns of a drawn grid: beyond, the costs' ratios are too fine to draw
+
+
 def grid_lines(rows: list, start: dict, end: dict, unit: Fraction, makespan: Fraction) -> list[str]:
     """A time header and one line per ``(label, actions)`` row: each action fills the cells of
-    ``unit`` it lasts (``start``/``end``), idle cells are blank."""
+    ``unit`` it lasts (``start``/``end``), idle cells are blank.  A grid wider than
+    ``MAX_GRID_CELLS`` is refused (ValueError), saying why."""
     cells = int(makespan / unit)
+    if cells > MAX_GRID_CELLS:
+        raise ValueError(f"the grid would be {cells if cells < 10**6 else 'over a million'} columns wide (one column per {unit} of forward time, the "
+                         f"costs' common unit): give costs in coarser ratios (e.g. 2 or 1.5, not 1000000), at "
+                         f"most {MAX_GRID_CELLS} columns")
     width = max([len(str(a)) for _, acts in rows for a in acts] + [len(str(cells - 1))])
     pad = max(len(name) for name, _ in rows) + 1
     lines = [(" " * pad + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]

@@ -38,6 +38,7 @@ def relaytrain_actors(ray):
 @pytest.mark.parametrize("transport", ["object_store", "collective"])
 def test_worker_exception_fails_job_with_traceback(ray_session, tmp_path, transport):
     spec = user_spec(parallelism={"dp": 1, "pp": 2, "partition": [2, 2], "transport": transport})
+    (tmp_path / "model.pt").write_bytes(b"an earlier run's model")  # not left beside this run's files
     t0 = time.monotonic()
     with pytest.raises(JobFailed) as e:
         run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=60)
@@ -196,6 +197,19 @@ def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores_and_a_ctrl_c_th
     got = torch.load(out / "model.pt")
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+    # the same job on 2 slots cannot run: refused, saying how to give the local Ray more, and
+    # the run before's files in the folder untouched (a user trial lost model/ and its logs)
+    before = {f: (out / f).read_bytes() for f in ("model.pt", "metrics.jsonl", "events.jsonl")}
+    shards = sorted(p.name for p in (out / "model").iterdir())
+    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(out), "--local-cpus", "2",
+                        "--no-progress"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().splitlines()[-1] == (
+        "relaytrain: the job needs 4 CPU slots (4 workers x 1) but the cluster has 2; lower parallelism.dp x "
+        "parallelism.pp or resources.cpus_per_worker, or add nodes; on this machine `--local-cpus N` gives the "
+        "local Ray N worker slots (they are logical: more than its cores run, sharing them)")
+    assert {f: (out / f).read_bytes() for f in before} == before
+    assert sorted(p.name for p in (out / "model").iterdir()) == shards
 
 
 def test_cli_run_bad_spec_says_one_sentence(tmp_path):

@@ -104,6 +104,30 @@ def test_cli_schedule_prints_grid_and_utilization(capsys):
 def test_cli_schedule_bad_input(capsys):
     assert main(["schedule", "--stages", "0", "--microbatches", "4"]) == 2
     assert "at least 1 stage" in capsys.readouterr().err
+    # a column per unit of the costs: 1000000 drew 5 million columns (15 s, 258 MB), 1e308 never ended
+    for costs, says in [(["--backward-cost", "10000"], "the grid would be 50005 columns wide"),
+                        (["--backward-cost", "1e308", "--weight-cost", "1e308"], "the grid would be over a million columns wide"),
+                        (["--backward-cost", "0"], "--backward-cost must be more than 0"),
+                        (["--weight-cost", "-1", "--schedule", "zb_h1"], "--weight-cost must be more than 0"),
+                        (["--backward-cost", "inf"], "--backward-cost must be a number like 2, 1.5 or 3/2; got 'inf'")]:
+        assert main(["schedule", "--stages", "2", "--microbatches", "4", *costs]) == 2, costs
+        assert says in capsys.readouterr().err, costs
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--timeout", "0"], "argument --timeout: must be more than 0 (and finite), got 0"),
+    (["--timeout", "-1"], "argument --timeout: must be more than 0 (and finite), got -1"),
+    (["--timeout", "soon"], "argument --timeout: 'soon' is not a number"),
+    (["--local-cpus", "-3"], "argument --local-cpus: must be more than 0 (and finite), got -3"),
+    (["--local-cpus", "2.5"], "argument --local-cpus: '2.5' is not an integer")])
+def test_cli_run_bad_options_are_refused_before_anything_starts(tmp_path, capsys, args, says):
+    """--timeout 0 failed the job's first worker after 46 C++ frames (DistNetworkError: timed out
+    after 0ms), --local-cpus -3 printed Ray's traceback; both exit 1 (found by a user trial)."""
+    with pytest.raises(SystemExit) as e:
+        main(["run", str(tmp_path / "job.yaml"), "--out", str(tmp_path / "out"), *args])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == f"relaytrain run: error: {says}"
+    assert not (tmp_path / "out").exists()
 
 
 # --- chunked and split schedules: interleaved_1f1b, zb_h1, zbv ------------------------------
