@@ -16,6 +16,7 @@ import uuid
 from typing import Optional
 
 from actors import launch, nodeenv
+from actors.failures import lost_actor
 from api.cluster import ClusterScheduler
 from api.errors import Conflict, Invalid, NotFound, TooMany
 from api.models import FinalModel
@@ -55,6 +56,8 @@ class JobManager:
         self.cluster = ClusterScheduler(settings, store, weights or {}, admit=self._admit)
         self.models = FinalModel(self.get, store)  # a SUCCEEDED job's model, for download
         self._stop = threading.Event()
+        self._storage_down: dict[str, float] = {}  # job -> when its checkpoints first could not be read
+        self._lost_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._starting: set[str] = set()  # jobs whose scheduler actor is being created
         # the per-tenant limit is checked and the job inserted under one lock, so concurrent
@@ -169,13 +172,18 @@ class JobManager:
         self._starting.add(job["id"])
 
         def later():  # its checkpoint was complete before it went back to the queue
-            try:
-                root = self.checkpoint_root(job)
-                newest = checkpoint.latest(root, job["id"]) if root else None
-            except Exception as e:
-                self._starting.discard(job["id"])
-                self._fail(job["id"], f"its checkpoints could not be read to resume it: {type(e).__name__}: {e}")
-                return
+            root = self.checkpoint_root(job)
+            while True:
+                try:
+                    newest = checkpoint.latest(root, job["id"]) if root else None
+                    break
+                except Exception as e:
+                    why = "its checkpoints could not be read to resume it"
+                    if not self._storage_waits(job["id"], root, e, why) or self._stop.wait(self.settings.reconcile_seconds):
+                        self._starting.discard(job["id"])
+                        self._fail(job["id"], self._storage_failure(job["id"], why, e))
+                        return
+            self._storage_down.pop(job["id"], None)
             self._restart(self.store.get_job(job["id"]) or job, str(newest) if newest else None)
 
         threading.Thread(target=later, daemon=True).start()
@@ -222,11 +230,17 @@ class JobManager:
         try:
             ray.get(ref, timeout=600)
         except Exception as e:
+            self._starting.discard(job_id)
+            if lost_actor(e) and not e.actor_init_failed:  # killed, or its node lost, while it started
+                log.warning("job %s: its scheduler was lost while it started (%s)", job_id, type(e).__name__)
+                fresh = self.store.get_job(job_id)
+                if fresh and not JobState(fresh["state"]).is_terminal:
+                    self._scheduler_lost(fresh)  # restarted as any lost scheduler, while restarts.max allows
+                return
             reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             self._fail(job_id, f"the job's scheduler did not start: {reason}")
             return
-        finally:
-            self._starting.discard(job_id)
+        self._starting.discard(job_id)
         if not told_to_finish:  # a finish asked after _launch read the events, before the actor was found
             asked = self.store.events_of(job_id, ["finish_requested"])
             if asked:
@@ -234,6 +248,27 @@ class JobManager:
                     ray.get(actor.finish_early.remote(asked[0].get("by") or "its tenant"), timeout=30)
                 except Exception:  # ended or lost meanwhile: its restart reads the event
                     pass
+
+    def _storage_waits(self, job_id: str, root, e: BaseException, why: str) -> bool:
+        """The storage of a job that restarts or resumes did not answer (``e``): wait for it and
+        try again (True) until ``storage_wait_s`` has passed since it first failed, saying so
+        once in a ``waiting`` event (an S3 endpoint down for a minute failed the job at once
+        while it had restarts left; found by a user trial)."""
+        now = time.time()
+        since = self._storage_down.setdefault(job_id, now)
+        if now - since >= self.settings.storage_wait_s:
+            return False
+        if since == now:
+            self.store.add_events(job_id, [{
+                "type": "waiting", "message": f"{why} ({type(e).__name__}: {e}); trying again every "
+                f"{self.settings.reconcile_seconds:g} s for up to {self.settings.storage_wait_s:g} s",
+                "reason": "storage"}])
+        return True
+
+    def _storage_failure(self, job_id: str, why: str, e: BaseException) -> str:
+        since = self._storage_down.pop(job_id, time.time())
+        waited = time.time() - since
+        return f"{why}{f' for {waited:.0f} s' if waited >= 1 else ''}: {type(e).__name__}: {e}"
 
     def _fail(self, job_id: str, reason: str) -> None:
         if self.store.set_state(job_id, JobState.FAILED, error=reason):
@@ -376,7 +411,16 @@ class JobManager:
 
     def _scheduler_lost(self, job: dict) -> None:
         """Restart the job from its newest complete checkpoint when its spec allows, else end it
-        saying why.  A job its user was cancelling ends CANCELLED."""
+        saying why.  A job its user was cancelling ends CANCELLED.  Found by the reconcile or by
+        the watch of a scheduler lost while it started: once (the lock, and a job being
+        restarted is ``_starting``)."""
+        with self._lost_lock:
+            fresh = self.store.get_job(job["id"])
+            if job["id"] in self._starting or fresh is None or JobState(fresh["state"]).is_terminal:
+                return
+            self._restart_or_end(fresh)
+
+    def _restart_or_end(self, job: dict) -> None:
         job_id = job["id"]
         spec = JobSpec.model_validate(job["spec"])
         launch.release_placement_group(job_id)
@@ -387,9 +431,12 @@ class JobManager:
         try:
             d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
                                                     reason=self.LOST, cancelling=cancelling)
-        except Exception as e:
-            self._fail(job_id, f"{self.LOST}, and its checkpoints at {root} could not be read: {type(e).__name__}: {e}")
+        except Exception as e:  # tried again at the next reconcile while the storage may come back
+            why = f"{self.LOST}, and its checkpoints at {root} could not be read"
+            if not self._storage_waits(job_id, root, e, why):
+                self._fail(job_id, self._storage_failure(job_id, why, e))
             return
+        self._storage_down.pop(job_id, None)
         if cancelling:
             if self.store.set_state(job_id, JobState.CANCELLED):
                 self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])

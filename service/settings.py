@@ -33,6 +33,8 @@ class Settings(BaseSettings):
         None, description="CPUs an autoscaler can grow the cluster to; jobs are checked against this, not only now")
     cluster_max_gpus: Optional[float] = Field(None, description="GPUs an autoscaler can grow the cluster to")
     start_timeout_s: float = Field(120.0, gt=0, description="how long a job may wait for its workers to be placed")
+    storage_wait_s: float = Field(300.0, ge=0, description="how long a job that restarts or resumes waits for its "
+                                                           "checkpoint storage to answer before it fails")
     queue_policy: Literal["elastic", "fair", "fifo"] = Field(
         "elastic", description="how the cluster is shared (service/fairshare.py): elastic (weighted fair shares, "
                                "elastic jobs shrink and grow), fair (weighted fair shares, rigid shapes) or fifo")

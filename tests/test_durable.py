@@ -17,7 +17,8 @@ from actors.runner import JobFailed, run_job
 from service import checkpoint, restarts
 from service.names import NAMESPACE, scheduler_name
 from service.spec import SpecError, parse_spec
-from tests import reference
+from api.jobs import JobManager
+from tests import reference, s3server
 from tests.test_api import Server, wait_state
 
 
@@ -148,6 +149,134 @@ def test_a_job_on_s3_restarts_after_its_scheduler_is_lost(durable_server, ray_se
     # the checkpoints on S3: the newest `keep` complete ones, the older ones deleted
     root = f"{s3_bucket}/ckpt/alice/{job['id']}"
     assert [checkpoint.step_of(p) for p in checkpoint.list_checkpoints(root)][-1] == steps
+
+
+class Relay:
+    """A loopback TCP relay to ``target`` (host, port) on a port of its own: ``close()`` shuts it
+    and every connection through it (connections to its port are refused, as to a storage
+    endpoint that is down), ``open()`` listens on the same port again."""
+
+    def __init__(self, target: tuple):
+        import socket
+
+        self.target, self.port, self.conns, self.listener = target, s3server.free_port(), [], None
+        self.socket = socket
+
+    def open(self) -> "Relay":
+        import threading
+
+        sock = self.socket
+        lst = sock.socket(sock.AF_INET, sock.SOCK_STREAM)
+        lst.setsockopt(sock.SOL_SOCKET, sock.SO_REUSEADDR, 1)
+        lst.bind(("127.0.0.1", self.port))
+        lst.listen(16)
+        self.listener = lst
+
+        def pump(a, b):
+            try:
+                while data := a.recv(65536):
+                    b.sendall(data)
+            except OSError:
+                pass
+            finally:
+                for c in (a, b):
+                    try:
+                        c.shutdown(sock.SHUT_RDWR)
+                    except OSError:
+                        pass
+
+        def accept():
+            while True:
+                try:
+                    client, _ = lst.accept()
+                except OSError:
+                    return
+                upstream = sock.create_connection(self.target)
+                self.conns += [client, upstream]
+                threading.Thread(target=pump, args=(client, upstream), daemon=True).start()
+                threading.Thread(target=pump, args=(upstream, client), daemon=True).start()
+
+        threading.Thread(target=accept, daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        try:  # wakes the accept (a close alone leaves it listening)
+            self.listener.shutdown(self.socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.listener.close()
+        for c in self.conns:
+            try:
+                c.shutdown(self.socket.SHUT_RDWR)
+            except OSError:
+                pass
+            c.close()
+        self.conns = []
+
+
+def test_a_restart_waits_for_its_storage_to_answer_and_fails_when_it_does_not(ray_session, s3_server, s3_bucket,
+                                                                             tmp_path):
+    """The control plane reads a lost scheduler's checkpoints to restart it. Its S3 endpoint
+    refusing connections then failed the job at once, restarts left and all (found by a user
+    trial). Now the job waits, saying so (a ``waiting`` event), and restarts when the storage
+    answers; past ``storage_wait_s`` it fails, saying how long it waited. Only the control
+    plane's connections go through the relay: the job's workers write to S3 throughout."""
+    relay = Relay(("127.0.0.1", s3_server.port)).open()
+    (tmp_path / "home").mkdir()
+    server = Server(tmp_path / "home", ray_session.get_runtime_context().gcs_address,
+                    AWS_ENDPOINT_URL=f"http://127.0.0.1:{relay.port}", RELAYTRAIN_STORAGE_WAIT_S="8").start()
+    body = spec_dict("storage-down", 100000, f"{s3_bucket}/ckpt", every=4, most=3)
+    try:
+        with server.client() as c:
+            job = c.post("/v1/jobs", json=body).json()
+
+            def restarts() -> list:
+                return [e for e in _events(c, job["id"]) if e["type"] == "restarted"]
+
+            def lose_the_scheduler_with_the_storage_down(n: int) -> list:
+                since = restarts()[-1]["from_step"] if restarts() else 0  # a checkpoint of this run
+                until(lambda: (j := c.get(f"/v1/jobs/{job['id']}").json())["checkpoint"]
+                      and j["checkpoint"]["step"] > since and j["step"] > j["checkpoint"]["step"], timeout=120,
+                      what="a checkpoint and a step after it")
+                relay.close()
+                _kill_scheduler(ray_session, job["id"])
+                return until(lambda: len(got := [e for e in _events(c, job["id"]) if e["type"] == "waiting"
+                                                 and e.get("reason") == "storage"]) == n and got, timeout=60,
+                             what="the storage waiting event: " + "\n".join(
+                                 f"{e['type']}: {e['message'][:300]}" for e in _events(c, job["id"])))
+
+            [waiting] = lose_the_scheduler_with_the_storage_down(1)
+            assert waiting["message"].startswith(
+                f"{JobManager.LOST}, and its checkpoints at {s3_bucket}/ckpt/alice/{job['id']} could not be read ("), waiting
+            assert waiting["message"].endswith("trying again every 1 s for up to 8 s"), waiting
+            assert "EndpointConnectionError" in waiting["message"], waiting
+            assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "RUNNING"
+            relay.open()  # the storage is back within the wait: the job restarts
+            [first] = until(restarts, timeout=60, what="the restart")
+            assert "restart 1 of 3 from the checkpoint of step" in first["message"]
+            # its new scheduler killed while it starts (as its node lost then): restarted again, not
+            # failed ("the job's scheduler did not start: ... cancelled before it started running")
+            def kill_the_new_scheduler() -> bool:
+                try:
+                    ray_session.kill(ray_session.get_actor(scheduler_name(job["id"]), namespace=NAMESPACE))
+                    return True
+                except ValueError:  # not created yet
+                    return False
+
+            until(kill_the_new_scheduler, timeout=60, every=0.01, what="the new scheduler, to kill it")
+            [_, second] = until(lambda: len(r := restarts()) == 2 and r, timeout=60,
+                                what="the second restart: " + str(_events(c, job["id"])[-3:]))
+            assert "restart 2 of 3 from the checkpoint of step" in second["message"]
+            assert f"job {job['id']}: its scheduler was lost while it started (" in open(server.log.name).read()
+            # down again, and for longer than the wait: the job fails, saying why and how long
+            lose_the_scheduler_with_the_storage_down(2)
+            failed = wait_state(c, job["id"], {"FAILED", "SUCCEEDED"}, timeout=60)
+            assert failed["state"] == "FAILED" and failed["restarts"] == 2, failed
+            assert re.fullmatch(rf"{re.escape(JobManager.LOST)}, and its checkpoints at \S+ could not be read for "
+                                rf"(8|9|1\d) s: \w+: .+", failed["error"], re.S), failed["error"]
+    finally:
+        server.stop()
+        relay.close()
 
 
 def test_a_finish_asked_while_the_scheduler_is_lost_is_kept_by_its_restart(durable_server, ray_session, tmp_path):
