@@ -362,8 +362,11 @@ class JobController:
             self.record.event("preempt_failed", f"not preempted: {e}; training goes on", reason=self.preempt_reason)
             self.preempt_reason = None
             return Running(step)
-        where = f"; it resumes from {path}" if path else ""
-        return Preempted(f"preempted after {step} committed steps ({self.preempt_reason}){where}",
+        if not step:  # nothing trained yet: no checkpoint, it starts from the beginning again
+            why = self.preempt_reason.replace(", to resume from its checkpoint", "")
+            return Preempted(f"preempted before its first step ({why}); it starts from step 0 again when "
+                             "admitted", {"step": 0, "checkpoint": None})
+        return Preempted(f"preempted after {step} committed steps ({self.preempt_reason}); it resumes from {path}",
                          {"step": step, "checkpoint": path})
 
     def _lost(self, step: int, refs: dict, lost: WorkerLost) -> State:

@@ -310,7 +310,7 @@ def _remote(fn):
 
 @_remote
 def _list(client, args):
-    page = client.jobs(args.state, args.limit)
+    page = client.jobs([x.upper() for x in args.state] if args.state else None, args.limit)  # running is RUNNING
     for job in page["items"]:
         _print_job(job)
     queued = sum(job["state"] == "QUEUED" for job in page["items"])

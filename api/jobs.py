@@ -10,6 +10,7 @@ FAILED saying why, so none stays RUNNING forever.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import uuid
@@ -50,6 +51,16 @@ def start_local_ray(cpus: Optional[int]) -> None:
         raise RuntimeError(f"could not start a local Ray ({' '.join(cmd)}): {p.stderr.strip()[-500:]}")
 
 
+def joined_ray_message(address: str, cpus: float, local_cpus: Optional[int]) -> str:
+    """What ``serve`` says when it joins the Ray already running on its machine."""
+    said = (f"relaytrain serve: using the Ray already running on this machine at {address} ({cpus:g} CPU slots), "
+            "as it does after a restart of this server; pass --ray-address to choose a cluster")
+    if local_cpus is not None and local_cpus != cpus:
+        said += (f". --local-cpus {local_cpus} is not applied: it sizes a Ray that serve starts itself (stop this one "
+                 "with `ray stop` first, if it is yours and no job of another server runs on it)")
+    return said
+
+
 class JobManager:
     def __init__(self, settings: Settings, store: Store, weights: Optional[dict[str, float]] = None):
         self.settings, self.store = settings, store
@@ -84,11 +95,14 @@ class JobManager:
         # so jobs keep training while this server restarts; stop it with `ray stop`.
         try:
             rayconnect.init("auto", **kwargs)
-            return
         except ConnectionError:
-            pass
-        start_local_ray(self.settings.local_cpus)
-        rayconnect.init("auto", **kwargs)
+            start_local_ray(self.settings.local_cpus)
+            rayconnect.init("auto", **kwargs)
+            return
+        # a Ray already running on this machine: this server's own from before a restart, or
+        # anyone's (two servers would then admit jobs on the same slots): said, never silently
+        print(joined_ray_message(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("CPU", 0),
+                                 self.settings.local_cpus), file=sys.stderr, flush=True)
 
     def ray_ok(self) -> bool:
         import ray

@@ -29,6 +29,7 @@ def format_detail(detail: Any) -> str:
 class Client:
     def __init__(self, server: str, token: Optional[str] = None, timeout: float = 60.0):
         token = token if token is not None else os.environ.get("RELAYTRAIN_TOKEN")
+        self.has_token = bool(token)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self.http = httpx.Client(base_url=server.rstrip("/"), headers=headers, timeout=timeout,
                                  transport=httpx.HTTPTransport(retries=3))
@@ -43,6 +44,8 @@ class Client:
                 detail = r.json().get("detail", r.text)
             except ValueError:
                 detail = r.text
+            if r.status_code == 401 and isinstance(detail, str):  # where this command takes its token from
+                detail += ("; relaytrain sends the token in RELAYTRAIN_TOKEN" + ("" if self.has_token else ", which is not set"))
             raise ApiError(r.status_code, detail)
         return r
 

@@ -254,20 +254,21 @@ def _check_ties(rec: ModelRecipe, tied: Any, field: str) -> list[tuple[str, ...]
     for g in groups:
         if len(g) < 2:
             raise SpecError(f"{field}: the tie {list(g)} names one parameter; a tie groups two or more")
-        shapes = set()
+        shapes = {}  # name -> shape, in the tie's order
         for n in g:
             head, _, rest = n.partition(".")
             if not head.isdigit() or int(head) >= rec.count or not rest:
                 raise SpecError(f"{field}: the tie {list(g)} names {n!r}, which is not '<layer index>.<parameter>' "
                                 f"of a layer 0-{rec.count - 1}")
             try:
-                shapes.add(tuple(metas[int(head)].get_parameter(rest).shape))
+                shapes[n] = tuple(metas[int(head)].get_parameter(rest).shape)
             except AttributeError:
                 have = [k for k, _ in metas[int(head)].named_parameters()]
                 raise SpecError(f"{field}: the tie {list(g)} names {n!r}, but layer {head} has no parameter "
                                 f"{rest!r}; its parameters are {have}") from None
-        if len(shapes) > 1:
-            raise SpecError(f"{field}: the tie {list(g)} joins parameters of different shapes {sorted(shapes)}")
+        if len(set(shapes.values())) > 1:
+            said = ", ".join(f"{n} {list(shape)}" for n, shape in shapes.items())
+            raise SpecError(f"{field}: the tie {list(g)} joins parameters of different shapes: {said}")
     return groups
 
 

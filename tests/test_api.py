@@ -601,6 +601,10 @@ def test_cli_on_a_failing_job(server):
     assert tail.returncode == 0 and tail.stdout.strip().endswith("[w0.1 stdout] Exploding: call 3, input (8, 16)")
     ls = cli(server, "list", "--state", "FAILED")
     assert job["id"] in ls.stdout
+    assert cli(server, "list", "--state", "failed").stdout == ls.stdout  # (lower case was a 422: a user trial)
+    nobody = cli(server, "status", job["id"], token="")
+    assert nobody.returncode == 1 and nobody.stderr.strip().endswith(
+        "relaytrain sends the token in RELAYTRAIN_TOKEN, which is not set"), nobody.stderr
     cancel = cli(server, "cancel", job["id"])
     assert cancel.returncode == 1 and "HTTP 409" in cancel.stderr and "already ended FAILED" in cancel.stderr
     finish = cli(server, "finish", job["id"])

@@ -125,3 +125,17 @@ def test_serve_refuses_bad_settings_in_one_line_naming_the_variable(tmp_path, en
     p = subprocess.run([sys.executable, "-m", "api.cli", "serve"], capture_output=True, text=True, timeout=60,
                        env={**os.environ, **env, "RELAYTRAIN_HOME": str(tmp_path)})
     assert p.returncode == 2 and p.stderr.strip() == line and "Traceback" not in p.stderr
+
+
+def test_serve_says_which_ray_it_joined_and_that_local_cpus_is_not_applied():
+    """`serve` with no --ray-address joins the Ray already running on the machine (its own, from
+    before a restart): another user's joined silently, its --local-cpus ignored (a user trial)."""
+    from api.jobs import joined_ray_message
+
+    said = joined_ray_message("192.0.2.2:6379", 4.0, 1)
+    assert said == ("relaytrain serve: using the Ray already running on this machine at 192.0.2.2:6379 (4 CPU "
+                    "slots), as it does after a restart of this server; pass --ray-address to choose a cluster. "
+                    "--local-cpus 1 is not applied: it sizes a Ray that serve starts itself (stop this one with "
+                    "`ray stop` first, if it is yours and no job of another server runs on it)")
+    assert joined_ray_message("192.0.2.2:6379", 4.0, 4).endswith("pass --ray-address to choose a cluster")
+    assert joined_ray_message("192.0.2.2:6379", 4.0, None).endswith("pass --ray-address to choose a cluster")

@@ -331,6 +331,21 @@ def test_a_finish_is_not_turned_into_a_preemption():
     assert record.state.value == "SUCCEEDED" and group.steps_run == [1] and not events(record, "preempted")
 
 
+def test_a_job_preempted_before_its_first_step_says_it_starts_again_from_step_0():
+    """(It said "preempted after 0 committed steps (... to resume from its checkpoint)", with no
+    checkpoint written: a user trial.)"""
+    s = spec()
+    ctl, group, cluster, record = controller(s)
+    ctl.preempt("preempted: its 2 slots go to job b-1 of tenant bob; back in the queue at place 1, to resume "
+                "from its checkpoint")
+    ctl.run()
+    [gone] = events(record, "preempted")
+    assert record.state.value == "QUEUED" and group.steps_run == [], group.steps_run
+    assert gone["message"] == ("preempted before its first step (preempted: its 2 slots go to job b-1 of tenant bob; "
+                               "back in the queue at place 1); it starts from step 0 again when admitted")
+    assert gone["step"] == 0 and gone["checkpoint"] is None
+
+
 # ---------------------------------------------------------------- the policy alone, as a table
 
 def facts():

@@ -308,6 +308,9 @@ def test_examples_are_valid_specs(name):
                           "torch.nn.Module; each entry of the layer list must build one layer"),
     ("ties_a_missing_parameter", "model.builder: the tie ['0.weight', '1.wieght'] names '1.wieght', but layer 1 "
                                  "has no parameter 'wieght'; its parameters are ['weight', 'bias']"),
+    # each name beside its own shape (the shapes were listed sorted, not in the tie's order: a user trial)
+    ("ties_parameters_of_other_shapes", "model.builder: the tie ['0.weight', '1.weight'] joins parameters of "
+                                        "different shapes: 0.weight [96, 32], 1.weight [32, 96]"),
     ("raises_in_a_layer", "model.builder: layer 1 (raises_in_a_layer.<locals>.broken) raised RuntimeError: "
                           "peer review failed"),
 ])
