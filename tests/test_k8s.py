@@ -52,6 +52,11 @@ def test_ray_versions_match_the_pin():
     dockerfile = (K8S / "Dockerfile").read_text()
     assert re.search(rf"^ARG RAY_IMAGE=rayproject/ray:{re.escape(ray)}-", dockerfile, re.M)
     assert f"rayproject/ray:{ray}-py311-gpu" in dockerfile
+    # the project's pins hold CI's CPU build of torch: the image's own torch (cu128 in the GPU
+    # image) must not meet that pin, which pip cannot satisfy without the CPU index (a user trial)
+    [second] = re.findall(r"pip install --no-cache-dir -c (\S+) \"\.\[postgres\]\"", dockerfile)
+    assert second != "constraints.txt" and f"grep -v '^torch==' constraints.txt > {second}" in dockerfile
+    assert re.search(r"^torch==\S+\+cpu$", (K8S.parent / "constraints.txt").read_text(), re.M)
 
 
 def _containers(obj):
