@@ -155,6 +155,22 @@ class SpecBody:
         await self.app(scope, as_json, send)
 
 
+def _plain(e: dict) -> dict:
+    """One of pydantic's errors as the CLI says it (service/spec.py ``format_validation_error``):
+    an unknown field is "unknown field (check its spelling)", not "Extra inputs are not
+    permitted"; and an error about the whole body does not echo the whole spec back."""
+    e = dict(e)
+    if e.get("type") == "extra_forbidden":
+        e["msg"] = "unknown field (check its spelling)"
+    elif e.get("type") == "missing":
+        e["msg"] = "required field is missing"
+    elif isinstance(e.get("msg"), str):
+        e["msg"] = e["msg"].removeprefix("Value error, ")
+    if isinstance(e.get("input"), dict) and tuple(e.get("loc") or ()) == ("body",):
+        e.pop("input")
+    return e
+
+
 def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) -> FastAPI:
     settings = settings or Settings()
     settings.home.mkdir(parents=True, exist_ok=True)
@@ -210,7 +226,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     async def invalid_request(_request: Request, exc: RequestValidationError):
         """FastAPI's 422, whatever the body held: a NaN or an infinity it echoes is written as
         text (JSON has no such numbers, and writing one would turn the 422 into a 500)."""
-        return JSONResponse({"detail": json_safe(jsonable_encoder(exc.errors()))}, status_code=422)
+        return JSONResponse({"detail": json_safe(jsonable_encoder([_plain(e) for e in exc.errors()]))}, status_code=422)
 
     app.include_router(health.router)
     app.include_router(jobs.router)

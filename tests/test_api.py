@@ -480,6 +480,13 @@ def test_bad_input_gets_clear_errors_and_stores_nothing(server):
         r = c.post("/v1/jobs", json=small_spec(training={"global_batch_size": 30, "microbatch_size": 8, "steps": 1}))
         assert r.status_code == 422
         assert "global_batch_size (30) must be a multiple of" in r.json()["detail"][0]["msg"]
+        assert not r.json()["detail"][0]["msg"].startswith("Value error")  # as the CLI says it
+        # a misspelled field, said as the CLI says it (pydantic's "Extra inputs are not permitted")
+        typo = {**small_spec(), "trainng": {"steps": 1}}
+        r = c.post("/v1/jobs", json=typo)
+        assert r.status_code == 422 and r.json()["detail"] == [
+            {"type": "extra_forbidden", "loc": ["body", "trainng"], "msg": "unknown field (check its spelling)",
+             "input": {"steps": 1}}], r.json()
         r = c.post("/v1/jobs", json=small_spec(parallelism={"pp": 9}))
         assert r.status_code == 422 and "parallelism.pp is 9 but the model has only 3 layers" in r.json()["detail"]
         # the data and the builders' args of a built-ins-only spec are checked here too (they were
