@@ -45,8 +45,12 @@ def import_object(path: str, field: str, search: Sequence[str] = ()) -> Any:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
             where = f" (looked in {', '.join(search)} and the installed packages)" if search else ""
-            raise SpecError(f"{field}: cannot import module {module_name!r}: {e}{where}; "
-                            "check the import path, or ship the code with runtime_env.working_dir") from None
+            # with search folders the spec's folder is there (relaytrain ships it with the job):
+            # the path is what is wrong, not how the code travels (a user trial was told to ship it)
+            what = ("check the import path: it is a module in the spec's folder (shipped with the job) or an "
+                    "installed package, written 'package.module:name'" if search else
+                    "check the import path, or ship the code with runtime_env.working_dir")
+            raise SpecError(f"{field}: cannot import module {module_name!r}: {e}{where}; {what}") from None
         except Exception as e:  # the user's module raised while importing
             raise SpecError(f"{field}: importing {module_name!r} raised {type(e).__name__}: {e}\n"
                             f"{traceback.format_exc()}") from None

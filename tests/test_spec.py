@@ -144,8 +144,15 @@ def test_more_stages_than_layers():
 
 def test_import_path_that_does_not_import():
     s = parse_spec(spec_with(model={"builder": "nosuchpkg.models:build"}))
-    with pytest.raises(SpecError, match="model.builder: cannot import module 'nosuchpkg.models'"):
+    with pytest.raises(SpecError, match="model.builder: cannot import module 'nosuchpkg.models'") as e:
         preflight(s, [FIXTURES])
+    # the spec's folder is searched (shipped with the job): the path is wrong, not how code travels
+    assert str(e.value).endswith(f"(looked in {FIXTURES} and the installed packages); check the import path: it is "
+                                 "a module in the spec's folder (shipped with the job) or an installed package, "
+                                 "written 'package.module:name'"), str(e.value)
+    with pytest.raises(SpecError) as e:
+        preflight(s, [])
+    assert str(e.value).endswith("; check the import path, or ship the code with runtime_env.working_dir")
 
 
 def test_import_path_without_function():
