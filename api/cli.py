@@ -109,8 +109,20 @@ def _plan(args) -> int:
         print("plain pipelines timed with each input gradient sent before the weight gradients (every stage's "
               "weights sit in plain Linear layers; `relaytrain schedule --sends-early` draws the plan)")
     print(f"{'shape':<26}{'layers per stage':<20}{'modelled step':>15}{'peak memory':>14}")
+    asked = p.replicas  # the spec's own shape among them (none with another --workers)
+
+    def the_specs(s) -> bool:
+        if args.workers is not None and args.workers != p.dp * p.pipeline_workers:
+            return False
+        if asked == "auto":
+            return s.key == best.key
+        if asked and any(r > 1 for r in asked):
+            return tuple(s.replicas) == tuple(asked)
+        return s.pp == p.pp and not s.replicas
+
     for s in sorted(shapes, key=lambda s: s.step_s):
-        tags = [t for t, ok in (("chosen", s.key == best.key), ("pp only", s.pp == w and not s.replicas),
+        tags = [t for t, ok in (("the spec's", the_specs(s)), ("replicas: auto runs this", s.key == best.key),
+                                ("pp only", s.pp == w and not s.replicas),
                                 ("dp only", s.pp == 1),
                                 ("does not fit memory_per_worker_mb", bool(mem) and s.memory_bytes > mem * 2**20)) if ok]
         print(f"{s.label():<26}{str(list(s.sizes)):<20}{s.step_s * 1e3:>12.1f} ms{s.memory_bytes / 2**20:>11.2f} MB"

@@ -160,7 +160,16 @@ def test_the_plan_command_shows_the_choice_beside_pp_only_and_dp_only(tmp_path):
         "parallelism: {dp: 1, pp: 4, replicas: auto, layer_costs_ms: [1, 1, 4, 1]}\n")
     out = run_cli("plan", str(spec))
     assert out.returncode == 0, out.stderr
-    assert "(chosen" in out.stdout and "pp only" in out.stdout and "dp only" in out.stdout
+    assert "(the spec's, replicas: auto runs this" in out.stdout and "pp only" in out.stdout and "dp only" in out.stdout
+    # a spec with its own shape: that one is marked the spec's, the fastest what auto would run
+    # (the fastest was marked "chosen" beside a spec that ran another shape: a user trial)
+    fixed = tmp_path / "fixed.yaml"
+    fixed.write_text(spec.read_text().replace("replicas: auto, ", ""))
+    out = run_cli("plan", str(fixed))
+    assert out.returncode == 0, out.stderr
+    [mine] = [ln for ln in out.stdout.splitlines() if "the spec's" in ln]
+    assert mine.startswith("1x4 ") and "pp only" in mine and "replicas: auto runs this" not in mine, out.stdout
+    assert sum("replicas: auto runs this" in ln for ln in out.stdout.splitlines()) == 1
     assert "parallelism.replicas auto:" in out.stdout
     # the built-in MLP's weights are plain Linears: its plain pipelines are timed with early sends
     assert "plain pipelines timed with each input gradient sent before the weight gradients" in out.stdout
