@@ -25,6 +25,10 @@ def _schedule(args) -> int:
     if args.replicas:
         return _replicated_schedule(args)
     try:
+        if args.stage_costs:  # (it was ignored without a word: a user trial)
+            raise ValueError("--stage-costs orders the plan of replicated stages: give --replicas too (e.g. "
+                             "--replicas 1,2,1 --stage-costs 1,2,1); a plain pipeline's plan takes --backward-cost "
+                             "and --weight-cost")
         if args.weight_group < 1:
             raise ValueError(f"--weight-group must be at least 1; got {args.weight_group}")
         plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks, args.weight_group)

@@ -109,7 +109,8 @@ def test_cli_schedule_bad_input(capsys):
                         (["--backward-cost", "1e308", "--weight-cost", "1e308"], "the grid would be over a million columns wide"),
                         (["--backward-cost", "0"], "--backward-cost must be more than 0"),
                         (["--weight-cost", "-1", "--schedule", "zb_h1"], "--weight-cost must be more than 0"),
-                        (["--backward-cost", "inf"], "--backward-cost must be a number like 2, 1.5 or 3/2; got 'inf'")]:
+                        (["--backward-cost", "inf"], "--backward-cost must be a number like 2, 1.5 or 3/2; got 'inf'"),
+                        (["--stage-costs", "5,1"], "--stage-costs orders the plan of replicated stages: give --replicas too")]:
         assert main(["schedule", "--stages", "2", "--microbatches", "4", *costs]) == 2, costs
         assert says in capsys.readouterr().err, costs
 
