@@ -265,7 +265,7 @@ def _submit(args) -> int:
         if spec.uses_imports and "working_dir" not in spec.runtime_env:
             pkg = client.upload_package(zip_folder(Path(args.spec).resolve().parent))
             body["runtime_env"] = {**body["runtime_env"], "working_dir": pkg["uri"]}
-        job = client.submit(body)
+        job = client.submit(body, resume_from=args.resume_from)
         if not args.json:
             print(f"submitted {job['id']}", file=sys.stderr)
         if args.wait:
@@ -569,6 +569,8 @@ def _remote_commands(sub) -> None:
     sb = remote("submit", _submit, "submit a job spec to the server (uploads the spec's folder)", job=False)
     sb.add_argument("spec")
     sb.add_argument("--wait", action="store_true", help="follow the job until it ends; exit 0 only on SUCCEEDED")
+    sb.add_argument("--resume-from", default=None, metavar="JOB",
+                    help="start from the newest checkpoint of JOB, an ended job of yours (in this spec's shape)")
     sb.add_argument("--json", action="store_true", help="print the final job as one JSON line, last")
     ls = remote("list", _list, "list your jobs, newest first", job=False)
     ls.add_argument("--state", action="append", help="only jobs in this state (repeatable)")

@@ -124,11 +124,15 @@ class JobManager:
                            "a retry must send the same spec: use a new key for a new job")
         return job
 
-    def submit(self, tenant: str, spec: JobSpec, idempotency_key: Optional[str] = None) -> tuple[dict, bool]:
+    def submit(self, tenant: str, spec: JobSpec, idempotency_key: Optional[str] = None,
+               resume_from: Optional[str] = None) -> tuple[dict, bool]:
+        """``resume_from``: an ended job of the tenant whose newest checkpoint this job starts
+        from (any shape: checkpoints are by name), found now (422 if there is none)."""
         body = spec.model_dump(mode="json")
         earlier = self._retry_of(tenant, idempotency_key, body)
         if earlier is not None:
             return self.get(tenant, earlier["id"]), False
+        resume = self._resume_source(tenant, resume_from) if resume_from is not None else None
         env = dict(spec.runtime_env)
         wd = env.get("working_dir")
         if wd is not None:
@@ -173,15 +177,39 @@ class JobManager:
             job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
             job, created = self.store.create_job(job_id, tenant, body, idempotency_key, state=JobState.QUEUED)
         if created:
-            self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}])
+            self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}]
+                                  + ([resume] if resume else []))
             self.cluster.tick(fresh=job_id)  # admitted now if it fits, else queued saying why
         return self.get(tenant, job["id"]), created
 
+    def _resume_source(self, tenant: str, source: str) -> dict:
+        """The ``resume_from`` event of a job that starts from ``source``'s newest checkpoint."""
+        src = self.store.get_job(source, tenant)
+        if src is None:
+            raise Invalid(f"resume_from: you have no job {source!r}")
+        if not JobState(src["state"]).is_terminal:
+            raise Conflict(f"resume_from: job {source} is {src['state']}; it still writes checkpoints: finish "
+                           "or cancel it first (a finish keeps its model and writes a last checkpoint)")
+        root = self.checkpoint_root(src)
+        try:
+            newest = checkpoint.latest(root, source) if root else None
+        except Exception as e:
+            raise Invalid(f"resume_from: job {source}'s checkpoints at {root} could not be read: "
+                          f"{type(e).__name__}: {e}") from None
+        if newest is None:
+            raise Invalid(f"resume_from: job {source} has no complete checkpoint" + (
+                f" under {root}" if root else " (its spec writes none: checkpoint.every_steps is 0)"))
+        step = checkpoint.step_of(newest)
+        return {"type": "resume_from", "message": f"starts from job {source}'s checkpoint of step {step} at {newest}",
+                "job": source, "checkpoint": str(newest), "step": step}
+
     def _admit(self, job: dict, workers: int, resumes: bool) -> None:
         """The cluster scheduler admitted ``job`` on ``workers``; a preempted job resumes from
-        its newest checkpoint, once its old scheduler is gone."""
+        its newest checkpoint, once its old scheduler is gone; a job submitted with
+        ``resume_from`` starts from that job's checkpoint."""
         if not resumes:
-            self._launch(job, allocation=workers)
+            source = self.store.events_of(job["id"], ["resume_from"])
+            self._launch(job, resume=source[0]["checkpoint"] if source else None, allocation=workers)
             return
         self._starting.add(job["id"])
 

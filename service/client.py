@@ -52,9 +52,10 @@ class Client:
     def upload_package(self, data: bytes) -> dict:
         return self._call("POST", "/v1/packages", content=data, headers={"Content-Type": "application/zip"}).json()
 
-    def submit(self, spec: dict, idempotency_key: Optional[str] = None) -> dict:
+    def submit(self, spec: dict, idempotency_key: Optional[str] = None, resume_from: Optional[str] = None) -> dict:
         key = idempotency_key or uuid.uuid4().hex
-        return self._call("POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": key}).json()
+        params = {"resume_from": resume_from} if resume_from else None
+        return self._call("POST", "/v1/jobs", json=spec, headers={"Idempotency-Key": key}, params=params).json()
 
     def job(self, job_id: str) -> dict:
         return self._call("GET", f"/v1/jobs/{job_id}").json()

@@ -279,6 +279,50 @@ def test_a_restart_waits_for_its_storage_to_answer_and_fails_when_it_does_not(ra
         relay.close()
 
 
+def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_server, tmp_path):
+    """POST /v1/jobs?resume_from=JOB (relaytrain submit --resume-from JOB): a 1x2 job is cancelled
+    after a few checkpoints; a 2x2 job starts from its newest checkpoint and runs to its own
+    last step, its rows from the step after the checkpoint, its model the one-process loop's
+    after all the steps. (A REST job could not be resumed at all: a user trial.)"""
+    first = spec_dict("first", 100000, str(tmp_path / "ckpt"), every=3, most=0)
+    with durable_server.client() as c:
+        a = c.post("/v1/jobs", json=first).json()
+        until(lambda: (j := c.get(f"/v1/jobs/{a['id']}").json())["checkpoint"] and j["checkpoint"]["step"] >= 6,
+              what="two checkpoints")
+        while_running = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=first)
+        assert while_running.status_code == 409, while_running.text
+        assert while_running.json()["detail"].startswith(f"resume_from: job {a['id']} is RUNNING; it still writes "
+                                                         "checkpoints: finish or cancel it first")
+        c.post(f"/v1/jobs/{a['id']}/cancel")
+        ended = wait_state(c, a["id"], {"CANCELLED"}, timeout=60)
+        n = ended["checkpoint"]["step"]
+        second = spec_dict("second", n + 6, str(tmp_path / "ckpt2"), every=3, most=0, dp=2, pp=2)
+        r = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=second)
+        assert r.status_code == 201, r.text
+        b = r.json()
+        done = wait_state(c, b["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
+        assert done["state"] == "SUCCEEDED", done["error"]
+        evs = _events(c, b["id"])
+        [src] = [e for e in evs if e["type"] == "resume_from"]
+        assert src["job"] == a["id"] and src["step"] == n and src["checkpoint"] == ended["checkpoint"]["path"], src
+        assert src["message"] == f"starts from job {a['id']}'s checkpoint of step {n} at {src['checkpoint']}"
+        rows = c.get(f"/v1/jobs/{b['id']}/metrics").json()
+        assert [r["step"] for r in rows] == list(range(n + 1, n + 7))
+        got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{b['id']}/model").content))
+        # bad sources: not a job of yours, and a job that wrote no checkpoint
+        r = c.post("/v1/jobs", params={"resume_from": "nope-00000000"}, json=second)
+        assert r.status_code == 422 and r.json()["detail"] == "resume_from: you have no job 'nope-00000000'"
+        none = c.post("/v1/jobs", json=spec_dict("none", 2, str(tmp_path / "ckpt3"), every=0, most=0)).json()
+        wait_state(c, none["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
+        r = c.post("/v1/jobs", params={"resume_from": none["id"]}, json=second)
+        assert r.status_code == 422 and r.json()["detail"] == (
+            f"resume_from: job {none['id']} has no complete checkpoint (its spec writes none: checkpoint.every_steps "
+            "is 0)"), r.text
+    want, _ = reference.train(parse_spec(second))
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+
+
 def test_a_finish_asked_while_the_scheduler_is_lost_is_kept_by_its_restart(durable_server, ray_session, tmp_path):
     """The finish is on record before the scheduler is asked: the restarted scheduler resumes from
     the newest checkpoint, runs one step and finishes, with the one-process loop's model."""

@@ -18,13 +18,19 @@ ERRORS = {401: {"model": ErrorOut}, 404: {"model": ErrorOut}}
 
 @router.post("", status_code=201, response_model=JobOut,
              responses={200: {"model": JobOut, "description": "an earlier job with the same Idempotency-Key"},
-                        401: {"model": ErrorOut}, 422: {"model": ErrorOut}, 429: {"model": ErrorOut}})
+                        401: {"model": ErrorOut}, 409: {"model": ErrorOut}, 422: {"model": ErrorOut},
+                        429: {"model": ErrorOut}})
 def submit_job(spec: JobSpec, manager: ManagerDep, tenant: TenantDep, response: Response,
-               idempotency_key: Annotated[Optional[str], Header(min_length=1, max_length=255)] = None) -> JobOut:
+               idempotency_key: Annotated[Optional[str], Header(min_length=1, max_length=255)] = None,
+               resume_from: Annotated[Optional[str], Query(
+                   min_length=1, max_length=255, description="an ended job of yours: this job starts from its "
+                   "newest checkpoint, in this spec's shape")] = None) -> JobOut:
     """Submit a job spec; it starts at once when the cluster scheduler admits it, else it is
     QUEUED with its place and reason (GET /v1/cluster shows the queue). A retried POST with the same
-    Idempotency-Key returns the first job (200) instead of starting a second."""
-    job, created = manager.submit(tenant, spec, idempotency_key)
+    Idempotency-Key returns the first job (200) instead of starting a second. With
+    ``?resume_from=JOB`` it starts from that ended job's newest checkpoint (422 when it has none,
+    409 while it still runs)."""
+    job, created = manager.submit(tenant, spec, idempotency_key, resume_from)
     if not created:
         response.status_code = 200
     return JobOut.from_row(job)
