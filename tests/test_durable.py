@@ -312,6 +312,12 @@ def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_ser
         # bad sources: not a job of yours, and a job that wrote no checkpoint
         r = c.post("/v1/jobs", params={"resume_from": "nope-00000000"}, json=second)
         assert r.status_code == 422 and r.json()["detail"] == "resume_from: you have no job 'nope-00000000'"
+        from tests.test_api import cli
+
+        (tmp_path / "second.json").write_text(json.dumps(second))
+        p = cli(durable_server, "submit", str(tmp_path / "second.json"), "--resume-from", "nope-00000000")
+        assert p.returncode == 2 and p.stderr.strip().endswith(
+            "HTTP 422: resume_from: you have no job 'nope-00000000'"), p.stderr
         none = c.post("/v1/jobs", json=spec_dict("none", 2, str(tmp_path / "ckpt3"), every=0, most=0)).json()
         wait_state(c, none["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
         r = c.post("/v1/jobs", params={"resume_from": none["id"]}, json=second)
