@@ -52,28 +52,33 @@ def _split_backward():
             mod = importlib.util.module_from_spec(spec)
             sys.modules[name] = mod
             spec.loader.exec_module(mod)
-        return mod.stage_backward_input, mod.stage_backward_weight
+        return mod.stage_backward_input, mod.stage_backward_weight, mod._get_grad_fn_or_grad_acc
     except Exception:  # another torch: every backward stays whole
-        return None, None
+        return None, None, None
 
 
-stage_backward_input, _stage_backward_weight = _split_backward()
+stage_backward_input, _stage_backward_weight, _grad_acc = _split_backward()
 
 
 def stage_backward_weight(params, groups) -> None:
-    """torch's W (``stage_backward_weight``), noting each weight it wrote a gradient into.  It
+    """torch's W (``stage_backward_weight``), noting each weight it writes a gradient into.  It
     writes ``weight.grad += dw`` (or a fresh ``.grad``) outside autograd's AccumulateGrad, so
     the hooks that note a parameter's use this step (actors/collectives.py ``got_gradient``)
     never fire: with replicas, every weight of a chunk under torch's split counted as unused on
     every replica and lost its ``.grad`` before the optimizer (found by a user trial: from the
     split trial's first step a 2x2 ZB-V GPT's last stage was not updated, half the gradient
-    norm)."""
+    norm).  The weights it writes are those of each group with a gradient to pass back (its
+    ``params`` are the weights' gradient accumulators), known before the call, which consumes
+    the groups; not read from ``.grad`` afterwards: the gradients of a bucket are views of one
+    buffer, whose version any of them bumps."""
     params = list(params)
-    before = [None if w.grad is None else (w.grad, w.grad._version) for w in params]
+    by_node = {_grad_acc(w): w for w in params}
+    written = [by_node[node] for g in groups
+               if any(x is not None for grads in g["grads"] for x in grads)
+               for node in g["params"] if node in by_node]
     _stage_backward_weight(iter(params), groups)
-    for w, was in zip(params, before):
-        if w.grad is not None and (was is None or w.grad is not was[0] or w.grad._version != was[1]):
-            got_gradient(w)
+    for w in written:
+        got_gradient(w)
 
 from actors import deferred, portals
 from actors.collectives import got_gradient

@@ -274,8 +274,13 @@ def test_replicas_that_try_torchs_split_sum_its_weight_gradients(ray_session, tm
     step and dropped their gradients: found by a user trial, a 2x2 ZB-V GPT whose last stage was
     not updated from step 2, half the one-process gradient norm.)"""
     d = spec_of(2, 2, "zbv", "collective", steps=4, parallelism={"partition": [2, 1, 1, 2]}).model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": 0.0}},
-             data={"kind": "digits"}, loss="cross_entropy")
+    # and each of those layers holds a Linear it never calls: no gradient, so AdamW's weight decay
+    # leaves it alone in one process (a W that noted every weight of a gradient bucket as used
+    # gave them zero gradients, which the decay then shrank: a review)
+    d.update(model={"builder": "userpkg.models:functional_linears",
+                    "args": {"layers": 4, "weight_grad_ms": 0.0, "unused": True}},
+             data={"kind": "digits"}, loss="cross_entropy",
+             optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1})
     spec = parse_spec(d)
     run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
     want = reference.run(spec, search=[FIXTURES], microbatched=True)
