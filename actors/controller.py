@@ -130,9 +130,20 @@ class JobController:
                 self.keeper.finish_writing()
             self.record.log_output(self.group.drain_output())
             self.record.event(state.kind, state.message, **state.fields)
+            if isinstance(state, Preempted):  # back in the queue with no workers: no shape is placed
+                self._unplace()
             self.record.set_state(state.job_state, state.message if isinstance(state, Failed) else None)
         else:
             self.record.set_state(state.job_state)
+
+    def _unplace(self) -> None:
+        """A preempted job's row keeps no placed shape (the cluster's view and policy count the
+        workers of a row's shape: they counted the old one while it was queued and again once it
+        was admitted, until its new shape: ``using 4, starting -2`` of 4 slots, a user trial),
+        only what the policy needs (the worker counts it can use) and what it ran as."""
+        old = self.record.shape or {}
+        self.record.set_shape({**({"usable_workers": old["usable_workers"]} if old.get("usable_workers") else {}),
+                               **({"ran_as": {k: old[k] for k in ("dp", "pp", "tp") if k in old}} if old.get("dp") else {})})
 
     # ---------------------------------------------------------------- starting
 

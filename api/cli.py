@@ -237,7 +237,8 @@ def _print_job(job: dict) -> None:
                   else "\n  queued: waiting for the cluster scheduler to look at it")
     print(f"{job['id']}  {job['state']:<10} step {job['step']}/{job['steps']}  loss {loss}  "
           + (f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}" if job["state"] != "QUEUED"
-             else f"no workers (ran as {shape['dp']}x{shape['pp']} until preempted)" if shape.get("dp") else "no workers")
+             else f"no workers (ran as {shape['ran_as']['dp']}x{shape['ran_as']['pp']} until preempted)"
+             if shape.get("ran_as") else "no workers")
           + (f"  allotted {allotted} worker{'' if allotted == 1 else 's'}" if allotted is not None and elastic else "")
           + (f"  restarts {job.get('restarts', 0)}/{most}" if most or job.get("restarts") else "")
           + queued

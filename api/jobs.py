@@ -221,9 +221,12 @@ class JobManager:
                     break
                 except Exception as e:
                     why = "its checkpoints could not be read to resume it"
-                    if not self._storage_waits(job["id"], root, e, why) or self._stop.wait(self.settings.reconcile_seconds):
+                    if not self._storage_waits(job["id"], root, e, why):
                         self._starting.discard(job["id"])
                         self._fail(job["id"], self._storage_failure(job["id"], why, e))
+                        return
+                    if self._stop.wait(self.settings.reconcile_seconds):  # the server stops: not a failure
+                        self._starting.discard(job["id"])
                         return
             self._storage_down.pop(job["id"], None)
             self._restart(self.store.get_job(job["id"]) or job, str(newest) if newest else None)
@@ -302,8 +305,8 @@ class JobManager:
             return False
         if since == now:
             self.store.add_events(job_id, [{
-                "type": "waiting", "message": f"{why} ({type(e).__name__}: {e}); trying again every "
-                f"{self.settings.reconcile_seconds:g} s for up to {self.settings.storage_wait_s:g} s",
+                "type": "waiting", "message": f"{why} ({type(e).__name__}: {e}); trying again for up to "
+                f"{self.settings.storage_wait_s:g} s",
                 "reason": "storage"}])
         return True
 
@@ -454,42 +457,57 @@ class JobManager:
     def _scheduler_lost(self, job: dict) -> None:
         """Restart the job from its newest complete checkpoint when its spec allows, else end it
         saying why.  A job its user was cancelling ends CANCELLED.  Found by the reconcile or by
-        the watch of a scheduler lost while it started: once (the lock, and a job being
-        restarted is ``_starting``)."""
+        the watch of a scheduler lost while it started: once (the lock, and a job being decided
+        or restarted is ``_starting``).  Decided in a thread of the job's own: reading its
+        storage may take seconds a try, and minutes while it does not answer, which held the
+        reconcile and the cluster scheduler's loop for every job (a review)."""
         with self._lost_lock:
             fresh = self.store.get_job(job["id"])
             if job["id"] in self._starting or fresh is None or JobState(fresh["state"]).is_terminal:
                 return
-            self._restart_or_end(fresh)
+            self._starting.add(job["id"])  # the reconcile leaves it while this is decided
+        threading.Thread(target=self._restart_or_end, args=(fresh,), name=f"relaytrain-restart-{job['id']}",
+                         daemon=True).start()
 
     def _restart_or_end(self, job: dict) -> None:
         job_id = job["id"]
-        spec = JobSpec.model_validate(job["spec"])
-        launch.release_placement_group(job_id)
-        past = self.store.events_of(job_id, ["restarted", "cancel_requested"])
-        used = sum(e["type"] == "restarted" for e in past)
-        cancelling = any(e["type"] == "cancel_requested" for e in past)
-        root = self.checkpoint_root(job)
+        restarting = False
         try:
-            d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
-                                                    reason=self.LOST, cancelling=cancelling)
-        except Exception as e:  # tried again at the next reconcile while the storage may come back
+            spec = JobSpec.model_validate(job["spec"])
+            launch.release_placement_group(job_id)
+            past = self.store.events_of(job_id, ["restarted", "cancel_requested"])
+            used = sum(e["type"] == "restarted" for e in past)
+            cancelling = any(e["type"] == "cancel_requested" for e in past)
+            root = self.checkpoint_root(job)
             why = f"{self.LOST}, and its checkpoints at {root} could not be read"
-            if not self._storage_waits(job_id, root, e, why):
-                self._fail(job_id, self._storage_failure(job_id, why, e))
-            return
-        self._storage_down.pop(job_id, None)
-        if cancelling:
-            if self.store.set_state(job_id, JobState.CANCELLED):
-                self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])
-            return
-        if not d.restart:
-            self._fail(job_id, d.message)
-            return
-        self.store.add_events(job_id, [{"type": "restarted", "message": d.message, **d.fields,
-                                        "checkpoint": str(newest)}])
-        self._starting.add(job_id)
-        threading.Thread(target=self._restart, args=(job, str(newest)), daemon=True).start()
+            while True:
+                try:
+                    d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
+                                                            reason=self.LOST, cancelling=cancelling)
+                    break
+                except Exception as e:  # tried again while the storage may come back
+                    if not self._storage_waits(job_id, root, e, why):
+                        self._fail(job_id, self._storage_failure(job_id, why, e))
+                        return
+                    now = self.store.get_job(job_id)
+                    if self._stop.wait(self.settings.reconcile_seconds) or now is None or \
+                            JobState(now["state"]).is_terminal:
+                        return  # the server stops (the next one's reconcile takes it up), or it was ended
+            self._storage_down.pop(job_id, None)
+            if cancelling:
+                if self.store.set_state(job_id, JobState.CANCELLED):
+                    self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])
+                return
+            if not d.restart:
+                self._fail(job_id, d.message)
+                return
+            self.store.add_events(job_id, [{"type": "restarted", "message": d.message, **d.fields,
+                                            "checkpoint": str(newest)}])
+            restarting = True
+            self._restart(job, str(newest))
+        finally:
+            if not restarting:
+                self._starting.discard(job_id)
 
     def _restart(self, job: dict, resume: Optional[str]) -> None:
         """Start ``job`` again from the checkpoint ``resume`` (its steps so far marked as re-runs),

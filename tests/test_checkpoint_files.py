@@ -358,13 +358,17 @@ def test_a_checkpoint_due_while_the_previous_is_being_written_is_taken_at_the_ne
         writer.after_commit(step)
     assert writer.flight["step"] == 5 and writer.owed == 10 and record.events == []
     ray.get(part.let.remote(5))
+    deadline = time.monotonic() + 30
+    while writer.flight is not None:  # step 5's written, with no step boundary meanwhile (a slow step)
+        assert time.monotonic() < deadline, "step 5's checkpoint was never written"
+        time.sleep(0.02)
+        writer.poll()
+    assert writer.owed == 10
     step = 12
-    while writer.flight["step"] == 5:  # the first boundary after step 5's is written starts the owed one
-        time.sleep(0.05)
-        writer.after_commit(step)
-        step += 1
+    writer.after_commit(step)  # the first boundary after step 5's is written starts the owed one
+    step += 1
     late = writer.flight["step"]
-    assert late > 10 and writer.flight["asked"] == 10 and writer.owed is None
+    assert late == 12 and writer.flight["asked"] == 10 and writer.owed is None
     ray.get([part.let.remote(k) for k in (late, 15)])
     deadline = time.monotonic() + 30
     while writer.flight is not None:  # written while no boundary comes (a slow step)

@@ -248,7 +248,7 @@ def test_a_restart_waits_for_its_storage_to_answer_and_fails_when_it_does_not(ra
             [waiting] = lose_the_scheduler_with_the_storage_down(1)
             assert waiting["message"].startswith(
                 f"{JobManager.LOST}, and its checkpoints at {s3_bucket}/ckpt/alice/{job['id']} could not be read ("), waiting
-            assert waiting["message"].endswith("trying again every 1 s for up to 8 s"), waiting
+            assert waiting["message"].endswith("trying again for up to 8 s"), waiting
             assert "EndpointConnectionError" in waiting["message"], waiting
             assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "RUNNING"
             relay.open()  # the storage is back within the wait: the job restarts
@@ -272,8 +272,9 @@ def test_a_restart_waits_for_its_storage_to_answer_and_fails_when_it_does_not(ra
             lose_the_scheduler_with_the_storage_down(2)
             failed = wait_state(c, job["id"], {"FAILED", "SUCCEEDED"}, timeout=60)
             assert failed["state"] == "FAILED" and failed["restarts"] == 2, failed
-            assert re.fullmatch(rf"{re.escape(JobManager.LOST)}, and its checkpoints at \S+ could not be read for "
-                                rf"(8|9|1\d) s: \w+: .+", failed["error"], re.S), failed["error"]
+            waited = re.fullmatch(rf"{re.escape(JobManager.LOST)}, and its checkpoints at \S+ could not be read for "
+                                  rf"(\d+) s: \w+: .+", failed["error"], re.S)
+            assert waited and int(waited[1]) >= 8, failed["error"]  # (and a read's retries beyond)
     finally:
         server.stop()
         relay.close()

@@ -450,9 +450,9 @@ function drawShape(job) {
   $("#shape").hidden = shape.dp == null || queued;
   if (shape.dp == null || queued) {
     $("#shape-summary").textContent = TERMINAL.has(job.state) ? "The job ended before its workers were placed."
-      : queued && shape.dp != null ? `The job is queued again and holds no workers: it gave its slots back after ` +
-        `step ${job.step} (it ran as dp ${shape.dp} × pp ${shape.pp}) and resumes from its checkpoint once ` +
-        `the cluster scheduler admits it.`
+      : queued && shape.ran_as ? `The job is queued again and holds no workers: it gave its slots back after ` +
+        `step ${job.step} (it ran as dp ${shape.ran_as.dp} × pp ${shape.ran_as.pp}) and ` +
+        (job.step ? "resumes from its checkpoint" : "starts from step 0 again") + ` once the cluster scheduler admits it.`
       : queued ? "The job is queued: its workers are placed once the cluster scheduler admits it."
       : "The job has no shape yet (its workers are being placed).";
     body.replaceChildren();
