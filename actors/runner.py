@@ -103,10 +103,12 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     started_ray = launch.connect(ray_address, local_cpus)
     try:  # a job this Ray can never hold is refused before anything in ``out`` is touched
         launch.check_fits(spec)
-    except SpecError as e:
+    except BaseException as e:
         if started_ray:
             ray.shutdown()
-        if started_ray and not ray_address:
+        if not isinstance(e, SpecError):
+            raise
+        if started_ray and not ray_address and "CPU slots" in str(e):
             raise SpecError(f"{e}; on this machine `--local-cpus N` gives the local Ray N worker slots (they "
                             "are logical: more than its cores run, sharing them)") from None
         raise

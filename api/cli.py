@@ -51,7 +51,7 @@ def _schedule(args) -> int:
 def _numbers(text: str, flag: str, kind=int) -> list:
     try:
         return [kind(x) for x in text.split(",")]
-    except ValueError:
+    except (ValueError, ZeroDivisionError):
         raise ValueError(f"{flag} takes numbers separated by commas, like 1,2,1; got {text!r}") from None
 
 

@@ -277,7 +277,8 @@ class JobManager:
         except Exception as e:
             self._starting.discard(job_id)
             if lost_actor(e) and not e.actor_init_failed:  # killed, or its node lost, while it started
-                log.warning("job %s: its scheduler was lost while it started (%s)", job_id, type(e).__name__)
+                said = str(e).strip().splitlines()[-1] if str(e).strip() else ""
+                log.warning("job %s: its scheduler was lost while it started (%s: %s)", job_id, type(e).__name__, said)
                 fresh = self.store.get_job(job_id)
                 if fresh and not JobState(fresh["state"]).is_terminal:
                     self._scheduler_lost(fresh)  # restarted as any lost scheduler, while restarts.max allows

@@ -44,6 +44,10 @@ def import_object(path: str, field: str, search: Sequence[str] = ()) -> Any:
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
+            if e.name and not (module_name == e.name or module_name.startswith(e.name + ".")):
+                # the module was found; something it imports is not installed
+                raise SpecError(f"{field}: importing {module_name!r} failed: {e}; the package {e.name!r} it needs "
+                                "is not installed where the job runs (add it to the image, or runtime_env.pip)") from None
             where = f" (looked in {', '.join(search)} and the installed packages)" if search else ""
             # with search folders the spec's folder is there (relaytrain ships it with the job):
             # the path is what is wrong, not how the code travels (a user trial was told to ship it)

@@ -587,9 +587,13 @@ def grid_lines(rows: list, start: dict, end: dict, unit: Fraction, makespan: Fra
     ``MAX_GRID_CELLS`` is refused (ValueError), saying why."""
     cells = int(makespan / unit)
     if cells > MAX_GRID_CELLS:
-        raise ValueError(f"the grid would be {cells if cells < 10**6 else 'over a million'} columns wide (one column per {unit} of forward time, the "
-                         f"costs' common unit): give costs in coarser ratios (e.g. 2 or 1.5, not 1000000), at "
-                         f"most {MAX_GRID_CELLS} columns")
+        wide = f"the grid would be {cells if cells < 10**6 else 'over a million'} columns wide"
+        longest = max(((end[a] - start[a]) / unit for _, acts in rows for a in acts), default=0)
+        if longest > 50:  # an action spans many columns: the costs' ratios, not the plan's length
+            raise ValueError(f"{wide} (one column per {unit} of forward time, the costs' common unit): give costs "
+                             f"in coarser ratios (e.g. 2 or 1.5, not 1000000), at most {MAX_GRID_CELLS} columns")
+        raise ValueError(f"{wide}, more than the {MAX_GRID_CELLS} drawn: fewer microbatches or stages draw it "
+                         "(the bubble of a long plan is what `relaytrain plan` and the README's formulas give)")
     width = max([len(str(a)) for _, acts in rows for a in acts] + [len(str(cells - 1))])
     pad = max(len(name) for name, _ in rows) + 1
     lines = [(" " * pad + " ".join(f"{t:<{width}}" for t in range(cells))).rstrip()]

@@ -110,9 +110,14 @@ def test_cli_schedule_bad_input(capsys):
                         (["--backward-cost", "0"], "--backward-cost must be more than 0"),
                         (["--weight-cost", "-1", "--schedule", "zb_h1"], "--weight-cost must be more than 0"),
                         (["--backward-cost", "inf"], "--backward-cost must be a number like 2, 1.5 or 3/2; got 'inf'"),
-                        (["--stage-costs", "5,1"], "--stage-costs orders the plan of replicated stages: give --replicas too")]:
+                        (["--stage-costs", "5,1"], "--stage-costs orders the plan of replicated stages: give --replicas too"),
+                        (["--replicas", "1,2", "--stage-costs", "1/0,1"], "--stage-costs takes numbers separated by commas")]:
         assert main(["schedule", "--stages", "2", "--microbatches", "4", *costs]) == 2, costs
         assert says in capsys.readouterr().err, costs
+    # a long plan at plain costs: too long to draw, said as such (not the costs' fault)
+    assert main(["schedule", "--stages", "4", "--microbatches", "700"]) == 2
+    assert "columns wide, more than the 2000 drawn: fewer microbatches or stages draw it" in capsys.readouterr().err
+    assert main(["schedule", "--stages", "4", "--microbatches", "500"]) == 0  # 1509 columns: drawn
 
 
 @pytest.mark.parametrize("args, says", [

@@ -155,6 +155,16 @@ def test_import_path_that_does_not_import():
     assert str(e.value).endswith("; check the import path, or ship the code with runtime_env.working_dir")
 
 
+def test_a_module_that_imports_a_missing_package_names_the_package():
+    """The module was found: the path is right, a dependency is missing (it said to check the path)."""
+    s = parse_spec(spec_with(model={"builder": "userpkg.needs_missing:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert str(e.value) == ("model.builder: importing 'userpkg.needs_missing' failed: No module named "
+                            "'relaytrain_no_such_dependency'; the package 'relaytrain_no_such_dependency' it needs is "
+                            "not installed where the job runs (add it to the image, or runtime_env.pip)")
+
+
 def test_import_path_without_function():
     s = parse_spec(spec_with(model={"builder": "userpkg.models:nope"}))
     with pytest.raises(SpecError, match="module 'userpkg.models' has no attribute 'nope'"):
