@@ -106,9 +106,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     except BaseException as e:
         if started_ray:
             ray.shutdown()
-        if not isinstance(e, SpecError):
-            raise
-        if started_ray and not ray_address and "CPU slots" in str(e):
+        if isinstance(e, SpecError) and started_ray and not ray_address and "CPU slots" in str(e):
             raise SpecError(f"{e}; on this machine `--local-cpus N` gives the local Ray N worker slots (they "
                             "are logical: more than its cores run, sharing them)") from None
         raise

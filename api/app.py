@@ -21,7 +21,7 @@ from api.jobs import JobManager
 from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens, load_weights
 from service.settings import Settings
-from service.spec import read_yaml
+from service.spec import error_message, read_yaml
 from service.states import JobState
 from service.store import Store
 
@@ -159,13 +159,7 @@ def _plain(e: dict) -> dict:
     """One of pydantic's errors as the CLI says it (service/spec.py ``format_validation_error``):
     an unknown field is "unknown field (check its spelling)", not "Extra inputs are not
     permitted"; and an error about the whole body does not echo the whole spec back."""
-    e = dict(e)
-    if e.get("type") == "extra_forbidden":
-        e["msg"] = "unknown field (check its spelling)"
-    elif e.get("type") == "missing":
-        e["msg"] = "required field is missing"
-    elif isinstance(e.get("msg"), str):
-        e["msg"] = e["msg"].removeprefix("Value error, ")
+    e = {**e, "msg": error_message(e)}
     if isinstance(e.get("input"), dict) and tuple(e.get("loc") or ()) == ("body",):
         e.pop("input")
     return e

@@ -190,7 +190,7 @@ class ClusterScheduler:
         for j, _, d in jobs:
             t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
                                                  "using": 0.0, "starting": 0.0, "running": 0, "queued": 0})
-            n = placed(j) if j["state"] != JobState.QUEUED.value else 0  # a preempted job keeps its last shape
+            n = placed(j)
             t["using"] += n * d.per_worker
             t["starting"] += (d.running - n) * d.per_worker  # allotted, its workers not placed yet
             t["queued" if j["state"] == JobState.QUEUED.value else "running"] += 1

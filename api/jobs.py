@@ -132,7 +132,6 @@ class JobManager:
         earlier = self._retry_of(tenant, idempotency_key, body)
         if earlier is not None:
             return self.get(tenant, earlier["id"]), False
-        resume = self._resume_source(tenant, resume_from) if resume_from is not None else None
         env = dict(spec.runtime_env)
         wd = env.get("working_dir")
         if wd is not None:
@@ -167,6 +166,7 @@ class JobManager:
                 restarts.check_storage(path)
         except SpecError as e:
             raise Invalid(str(e)) from None
+        resume = self._resume_source(tenant, resume_from) if resume_from is not None else None  # reads storage
         with self._admission:
             earlier = self._retry_of(tenant, idempotency_key, body)  # a retry may have raced this one in
             if earlier is not None:
@@ -215,20 +215,11 @@ class JobManager:
 
         def later():  # its checkpoint was complete before it went back to the queue
             root = self.checkpoint_root(job)
-            while True:
-                try:
-                    newest = checkpoint.latest(root, job["id"]) if root else None
-                    break
-                except Exception as e:
-                    why = "its checkpoints could not be read to resume it"
-                    if not self._storage_waits(job["id"], root, e, why):
-                        self._starting.discard(job["id"])
-                        self._fail(job["id"], self._storage_failure(job["id"], why, e))
-                        return
-                    if self._stop.wait(self.settings.reconcile_seconds):  # the server stops: not a failure
-                        self._starting.discard(job["id"])
-                        return
-            self._storage_down.pop(job["id"], None)
+            read, newest = self._read_waiting(job["id"], root, "its checkpoints could not be read to resume it",
+                                              lambda: checkpoint.latest(root, job["id"]) if root else None)
+            if not read:
+                self._starting.discard(job["id"])
+                return
             self._restart(self.store.get_job(job["id"]) or job, str(newest) if newest else None)
 
         threading.Thread(target=later, daemon=True).start()
@@ -276,14 +267,13 @@ class JobManager:
             ray.get(ref, timeout=600)
         except Exception as e:
             self._starting.discard(job_id)
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             if lost_actor(e) and not e.actor_init_failed:  # killed, or its node lost, while it started
-                said = str(e).strip().splitlines()[-1] if str(e).strip() else ""
-                log.warning("job %s: its scheduler was lost while it started (%s: %s)", job_id, type(e).__name__, said)
+                log.warning("job %s: its scheduler was lost while it started (%s: %s)", job_id, type(e).__name__, reason)
                 fresh = self.store.get_job(job_id)
                 if fresh and not JobState(fresh["state"]).is_terminal:
                     self._scheduler_lost(fresh)  # restarted as any lost scheduler, while restarts.max allows
                 return
-            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
             self._fail(job_id, f"the job's scheduler did not start: {reason}")
             return
         self._starting.discard(job_id)
@@ -294,6 +284,26 @@ class JobManager:
                     ray.get(actor.finish_early.remote(asked[0].get("by") or "its tenant"), timeout=30)
                 except Exception:  # ended or lost meanwhile: its restart reads the event
                     pass
+
+    def _read_waiting(self, job_id: str, root, why: str, read):
+        """``read()`` of a job's checkpoint storage, tried again while the storage does not answer
+        (``_storage_waits``): ``(True, what it returned)``, or ``(False, None)`` when the job is
+        left: failed past the wait (saying why), ended meanwhile, or this server stops (the next
+        one's reconcile takes it up)."""
+        while True:
+            try:
+                value = read()
+            except Exception as e:
+                if not self._storage_waits(job_id, root, e, why):
+                    self._fail(job_id, self._storage_failure(job_id, why, e))
+                    return False, None
+                now = self.store.get_job(job_id)
+                if self._stop.wait(self.settings.reconcile_seconds) or now is None or \
+                        JobState(now["state"]).is_terminal:
+                    return False, None
+                continue
+            self._storage_down.pop(job_id, None)
+            return True, value
 
     def _storage_waits(self, job_id: str, root, e: BaseException, why: str) -> bool:
         """The storage of a job that restarts or resumes did not answer (``e``): wait for it and
@@ -480,21 +490,13 @@ class JobManager:
             used = sum(e["type"] == "restarted" for e in past)
             cancelling = any(e["type"] == "cancel_requested" for e in past)
             root = self.checkpoint_root(job)
-            why = f"{self.LOST}, and its checkpoints at {root} could not be read"
-            while True:
-                try:
-                    d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
-                                                            reason=self.LOST, cancelling=cancelling)
-                    break
-                except Exception as e:  # tried again while the storage may come back
-                    if not self._storage_waits(job_id, root, e, why):
-                        self._fail(job_id, self._storage_failure(job_id, why, e))
-                        return
-                    now = self.store.get_job(job_id)
-                    if self._stop.wait(self.settings.reconcile_seconds) or now is None or \
-                            JobState(now["state"]).is_terminal:
-                        return  # the server stops (the next one's reconcile takes it up), or it was ended
-            self._storage_down.pop(job_id, None)
+            read, decided = self._read_waiting(
+                job_id, root, f"{self.LOST}, and its checkpoints at {root} could not be read",
+                lambda: checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
+                                                    reason=self.LOST, cancelling=cancelling))
+            if not read:
+                return
+            d, newest = decided
             if cancelling:
                 if self.store.set_state(job_id, JobState.CANCELLED):
                     self.store.add_events(job_id, [{"type": "cancelled", "message": d.message}])

@@ -455,16 +455,21 @@ class SpecError(ValueError):
     """A spec that cannot work; the message says what to change."""
 
 
+def error_message(e: dict) -> str:
+    """One of pydantic's errors in words a person acts on (the CLI's sentence and the REST 422)."""
+    if e.get("type") == "extra_forbidden":
+        return "unknown field (check its spelling)"
+    if e.get("type") == "missing":
+        return "required field is missing"
+    return str(e.get("msg", "")).removeprefix("Value error, ")
+
+
 def format_validation_error(err: ValidationError) -> str:
     parts = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"]) or "spec"
-        msg = e["msg"].removeprefix("Value error, ")
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field (check its spelling)"
-        elif e["type"] == "missing":
-            msg = "required field is missing"
-        elif e["type"] in ("int_type", "bool_type", "float_type", "string_type") and isinstance(
+        msg = error_message(e)
+        if e["type"] in ("int_type", "bool_type", "float_type", "string_type") and isinstance(
                 e.get("input"), (str, int, float, bool)):
             msg += f", not {json.dumps(e['input'])}"
         if e["type"] == "spec_number":  # the message names the field itself

@@ -103,9 +103,8 @@ function fmtAgo(t) {
 
 function fmtClock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
 
-// a queued job holds no workers: a preempted one keeps its last shape in the row, not drawn as its own
-function shapeText(shape, state) {
-  if (!shape || shape.dp == null || state === "QUEUED") return "–";
+function shapeText(shape) {
+  if (!shape || shape.dp == null) return "–";
   return `${shape.dp}×${shape.pp} · ${shape.schedule || ""}`;
 }
 
@@ -210,7 +209,7 @@ async function refreshList(gen) {
       const row = el("tr", { class: "clickable", "data-job-id": job.id, "data-state": job.state },
         el("td", { class: "job-cell" }, link, el("div", { class: "id mono", text: job.id })),
         el("td", {}, job.state === "QUEUED" ? Object.assign(badge(job.state), { title: queueText(job) }) : badge(job.state)),
-        el("td", { text: shapeText(job.shape, job.state) }),
+        el("td", { text: shapeText(job.shape) }),
         el("td", {}, progressCell(job)),
         el("td", { class: "num", text: fmtNum(job.loss) }),
         el("td", { class: "num", text: job.state === "QUEUED" ? "–" : fmtSpeed(job.samples_per_s) }),
@@ -322,7 +321,7 @@ function drawJobHead(job) {
   $("#job-progress").textContent = `${job.step} / ${job.steps} steps`;
   $("#job-loss").textContent = fmtNum(job.loss);
   $("#job-speed").textContent = job.state === "QUEUED" ? "–" : fmtSpeed(job.samples_per_s);
-  $("#job-shape").textContent = shapeText(job.shape, job.state);
+  $("#job-shape").textContent = shapeText(job.shape);
   const end = job.ended_at || Date.now() / 1000;
   $("#job-time").textContent = job.started_at ? fmtDuration(end - job.started_at) : "not started";
   drawQueue(job);
@@ -447,8 +446,8 @@ function drawShape(job) {
   const shape = job.shape || {};
   const body = $("#shape tbody");
   const queued = job.state === "QUEUED";
-  $("#shape").hidden = shape.dp == null || queued;
-  if (shape.dp == null || queued) {
+  $("#shape").hidden = shape.dp == null;
+  if (shape.dp == null) {  // a preempted job's row keeps only what it ran as (ran_as)
     $("#shape-summary").textContent = TERMINAL.has(job.state) ? "The job ended before its workers were placed."
       : queued && shape.ran_as ? `The job is queued again and holds no workers: it gave its slots back after ` +
         `step ${job.step} (it ran as dp ${shape.ran_as.dp} × pp ${shape.ran_as.pp}) and ` +
