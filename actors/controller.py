@@ -408,7 +408,7 @@ class JobController:
         self.keeper.finish_writing(lost=f"a worker was lost while it was written ({lost.bare})")
         d, newest = checkpoint.restart_decision(self.spec, self.keeper.checkpoint_root, self.job_id,
                                                 used=self.restarts_used, committed=self.record.step,
-                                                reason=str(lost.bare))
+                                                reason=str(lost.bare), origin=self.keeper.origin)
         if not d.restart:
             raise JobFailure(d.message, detail=lost.detail)
         self.restarts_used += 1

@@ -121,7 +121,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
     sched = None
     seen = _Seen(spec, progress)
     try:
-        rerun_through, used = 0, 0
+        rerun_through, used, origin = 0, 0, resume_path
         while True:
             sched = launch.start_scheduler(
                 job_id, spec.model_dump(mode="json"), search,
@@ -134,7 +134,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                     final = _follow(sched, sched.run.remote(), outputs, seen)
                 break
             except ray.exceptions.RayActorError:  # the scheduler was lost: restart it, or say why not
-                resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen, outputs, store, job_id)
+                resume_path = _restart_from(spec, ckpt_root, used + seen.restarts, seen, outputs, store, job_id,
+                                            origin)
                 rerun_through, used = seen.committed, used + 1
                 launch.wait_actors_gone(job_id, timeout=30.0)
                 launch.release_placement_group(job_id)
@@ -162,27 +163,54 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
 
 
 def _restart_from(spec: JobSpec, root: Optional[str], used: int, seen: "_Seen", outputs: "_Outputs", store,
-                  job_id: str) -> str:
+                  job_id: str, origin: Optional[str]) -> str:
     """The checkpoint a job whose scheduler was lost restarts from (a ``restarted`` event says
-    so, in the files, the store and the run's report); raises :class:`JobFailed` when it does
-    not restart (service/restarts.py)."""
+    so, in the files, the store and the run's report): its newest own, else ``origin``, the one
+    ``--resume`` started it from; raises :class:`JobFailed` when it does not restart
+    (service/restarts.py).  Storage that does not answer is tried again for
+    ``RELAYTRAIN_STORAGE_WAIT_S`` (a ``waiting`` event says so once), as the control plane does."""
+    from service.settings import Settings
+
     committed = seen.committed
     reason = "the job's scheduler actor was lost (killed, out of memory, or its node went)"
-    d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason)
+    why = f"{reason}, and its checkpoints at {root} could not be read"
+    wait_s, down_since = Settings().storage_wait_s, None
+    while True:
+        try:
+            d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason,
+                                                    origin=origin)
+            break
+        except Exception as e:
+            now = time.monotonic()
+            if down_since is None:
+                down_since = now
+                row = {"time": time.time(), "type": "waiting", "reason": "storage",
+                       "message": f"{why} ({type(e).__name__}: {e}); trying again for up to {wait_s:g} s"}
+                _record(row, seen, outputs, store, job_id)
+                print(f"relaytrain: {row['message']}", file=sys.stderr)
+            elif now - down_since >= wait_s:
+                d = restarts.Decision(False, f"{why} for {now - down_since:.0f} s: {type(e).__name__}: {e}")
+                break
+            time.sleep(min(5.0, max(0.5, wait_s / 20)))
     if not d.restart:
-        row = {"type": "failed", "message": d.message}
         if store:
             store.set_state(job_id, JobState.FAILED, error=d.message)
-            store.add_events(job_id, [row])
-        outputs.event("failed", d.message)
+        _record({"time": time.time(), "type": "failed", "message": d.message}, None, outputs, store, job_id)
         raise JobFailed(d.message)
     row = {"time": time.time(), "type": "restarted", "message": d.message, **d.fields, "checkpoint": str(newest)}
-    outputs.write(outputs.events, [row])
-    seen.ours.append(row)
-    if store:
-        store.add_events(job_id, [row])
+    _record(row, seen, outputs, store, job_id)
     print(f"relaytrain: {d.message}", file=sys.stderr)
     return str(newest)
+
+
+def _record(row: dict, seen: Optional["_Seen"], outputs: "_Outputs", store, job_id: str) -> None:
+    """An event of the run itself, not of its scheduler: in events.jsonl, the job store and
+    (``seen``) the run's report."""
+    outputs.write(outputs.events, [row])
+    if seen is not None:
+        seen.ours.append(row)
+    if store:
+        store.add_events(job_id, [row])
 
 
 def _record_in_store(job_id: str, spec: JobSpec):

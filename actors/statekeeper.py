@@ -37,6 +37,7 @@ class StateKeeper:
                  job_id: Optional[str] = None):
         self.group, self.job_id = group, job_id  # its own checkpoints only, where several jobs write
         self.checkpoint_root, self.resume, self.timeout = checkpoint_root, resume, timeout
+        self.origin = resume  # the checkpoint the job started from: where it goes back to before it has one of its own
         # copies by step: {step: {(lo, hi, TP rank): [who keeps it: the peer worker, then the stage's own worker;
         # or the state, kept here]}}: the newest complete step and the ranges of a newer one landed so far
         self.kept: dict[int, dict] = {}
@@ -187,7 +188,7 @@ class StateKeeper:
                 where = "peer workers" if any(not isinstance(k, dict) for k in ranges.values()) else "the scheduler"
                 best = {"step": step, "ranges": ranges, "source": f"copy of step {step} kept by {where}"}
                 break
-        newest = checkpoint.latest(self.checkpoint_root, self.job_id) if self.checkpoint_root else None
+        newest = checkpoint.newest_or_origin(self.checkpoint_root, self.job_id, self.origin)
         if newest is not None:
             copy = _on_storage(newest)
             if best is None or copy["step"] > best["step"]:

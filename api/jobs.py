@@ -114,14 +114,21 @@ class JobManager:
 
     # ---------------------------------------------------------------- submit
 
-    def _retry_of(self, tenant: str, key: Optional[str], spec: dict) -> Optional[dict]:
+    def _retry_of(self, tenant: str, key: Optional[str], spec: dict, resume_from: Optional[str]) -> Optional[dict]:
         """The job an Idempotency-Key was first used for, when this request is a retry of it
-        (None for a new key); the key with a different spec is a 409, not a silent answer
-        about another job."""
+        (None for a new key); the key with a different spec or ``resume_from`` is a 409, not a
+        silent answer about another job."""
         job = self.store.find_by_idempotency_key(tenant, key) if key else None
-        if job is not None and job["spec"] != spec:
+        if job is None:
+            return None
+        if job["spec"] != spec:
             raise Conflict(f"Idempotency-Key {key!r} was already used for job {job['id']} with a different spec; "
                            "a retry must send the same spec: use a new key for a new job")
+        source = next((e["job"] for e in self.store.events_of(job["id"], ["resume_from"])), None)
+        if source != resume_from:
+            was = f"resume_from={source}" if source else "no resume_from"
+            raise Conflict(f"Idempotency-Key {key!r} was already used for job {job['id']} with {was}; a retry must "
+                           "send the same request: use a new key for a new job")
         return job
 
     def submit(self, tenant: str, spec: JobSpec, idempotency_key: Optional[str] = None,
@@ -129,7 +136,7 @@ class JobManager:
         """``resume_from``: an ended job of the tenant whose newest checkpoint this job starts
         from (any shape: checkpoints are by name), found now (422 if there is none)."""
         body = spec.model_dump(mode="json")
-        earlier = self._retry_of(tenant, idempotency_key, body)
+        earlier = self._retry_of(tenant, idempotency_key, body, resume_from)
         if earlier is not None:
             return self.get(tenant, earlier["id"]), False
         env = dict(spec.runtime_env)
@@ -168,17 +175,18 @@ class JobManager:
             raise Invalid(str(e)) from None
         resume = self._resume_source(tenant, resume_from) if resume_from is not None else None  # reads storage
         with self._admission:
-            earlier = self._retry_of(tenant, idempotency_key, body)  # a retry may have raced this one in
+            earlier = self._retry_of(tenant, idempotency_key, body, resume_from)  # a retry may have raced this one in
             if earlier is not None:
                 return self.get(tenant, earlier["id"]), False
             if self.store.count_active(tenant) >= self.settings.max_active_jobs_per_tenant:
                 raise TooMany(f"tenant {tenant!r} already has {self.settings.max_active_jobs_per_tenant} active jobs, "
                               "the limit; wait for one to end or cancel one")
             job_id = f"{spec.name}-{uuid.uuid4().hex[:8]}".lower()
-            job, created = self.store.create_job(job_id, tenant, body, idempotency_key, state=JobState.QUEUED)
+            job, created = self.store.create_job(
+                job_id, tenant, body, idempotency_key, state=JobState.QUEUED,
+                first_events=[{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}]
+                + ([resume] if resume else []))
         if created:
-            self.store.add_events(job_id, [{"type": "submitted", "message": f"job {job_id} submitted by {tenant}"}]
-                                  + ([resume] if resume else []))
             self.cluster.tick(fresh=job_id)  # admitted now if it fits, else queued saying why
         return self.get(tenant, job["id"]), created
 
@@ -208,21 +216,25 @@ class JobManager:
         its newest checkpoint, once its old scheduler is gone; a job submitted with
         ``resume_from`` starts from that job's checkpoint."""
         if not resumes:
-            source = self.store.events_of(job["id"], ["resume_from"])
-            self._launch(job, resume=source[0]["checkpoint"] if source else None, allocation=workers)
+            self._launch(job, resume=self._origin(job["id"]), allocation=workers)
             return
         self._starting.add(job["id"])
 
         def later():  # its checkpoint was complete before it went back to the queue
-            root = self.checkpoint_root(job)
+            root, origin = self.checkpoint_root(job), self._origin(job["id"])
             read, newest = self._read_waiting(job["id"], root, "its checkpoints could not be read to resume it",
-                                              lambda: checkpoint.latest(root, job["id"]) if root else None)
+                                              lambda: checkpoint.newest_or_origin(root, job["id"], origin))
             if not read:
                 self._starting.discard(job["id"])
                 return
             self._restart(self.store.get_job(job["id"]) or job, str(newest) if newest else None)
 
         threading.Thread(target=later, daemon=True).start()
+
+    def _origin(self, job_id: str) -> Optional[str]:
+        """The checkpoint a job submitted with ``resume_from`` started from (None: step 0)."""
+        source = self.store.events_of(job_id, ["resume_from"])
+        return source[0]["checkpoint"] if source else None
 
     def _launch(self, job: dict, resume: Optional[str] = None, rerun_through: int = 0,
                 allocation: Optional[int] = None) -> None:
@@ -489,11 +501,11 @@ class JobManager:
             past = self.store.events_of(job_id, ["restarted", "cancel_requested"])
             used = sum(e["type"] == "restarted" for e in past)
             cancelling = any(e["type"] == "cancel_requested" for e in past)
-            root = self.checkpoint_root(job)
+            root, origin = self.checkpoint_root(job), self._origin(job_id)
             read, decided = self._read_waiting(
                 job_id, root, f"{self.LOST}, and its checkpoints at {root} could not be read",
                 lambda: checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
-                                                    reason=self.LOST, cancelling=cancelling))
+                                                    reason=self.LOST, cancelling=cancelling, origin=origin))
             if not read:
                 return
             d, newest = decided

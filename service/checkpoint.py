@@ -522,15 +522,23 @@ def latest(root: str | Path, job_id: Optional[str] = None) -> Optional[Where]:
     return found[-1] if found else None
 
 
+def newest_or_origin(root: Optional[str], job_id: str, origin: Optional[str] = None) -> Optional[Where]:
+    """Where a job goes back to: its newest complete checkpoint under ``root``, else ``origin``,
+    the checkpoint it started from (``resume_from``, ``relaytrain run --resume``): a job lost
+    before it wrote a checkpoint of its own goes back there, not to step 0 or to a failure."""
+    newest = latest(root, job_id) if root else None
+    return newest if newest is not None else origin
+
+
 def restart_decision(spec, root: Optional[str], job_id: str, *, used: int, committed: int, reason: str,
-                     cancelling: bool = False):
+                     cancelling: bool = False, origin: Optional[str] = None):
     """Whether a job that lost its scheduler or a worker restarts (service/restarts.py
-    ``decide``), with the newest complete checkpoint of its own under ``root``, read only when
-    a restart could use it: (the decision, that checkpoint or None).  Reading the storage may
-    raise."""
+    ``decide``), with the newest complete checkpoint of its own under ``root`` (else ``origin``,
+    see ``newest_or_origin``), read only when a restart could use it: (the decision, that
+    checkpoint or None).  Reading the storage may raise."""
     from service import restarts
 
-    newest = latest(root, job_id) if root and used < spec.restarts.max and not cancelling else None
+    newest = newest_or_origin(root, job_id, origin) if used < spec.restarts.max and not cancelling else None
     d = restarts.decide(spec, used=used, committed=committed, newest_step=step_of(newest) if newest is not None else None,
                         reason=reason, cancelling=cancelling)
     return d, newest

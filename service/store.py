@@ -156,15 +156,19 @@ class Store:
     # ---------------------------------------------------------------- jobs
 
     def create_job(self, job_id: str, tenant: str, spec: dict, idempotency_key: Optional[str] = None,
-                   state: JobState = JobState.PENDING) -> tuple[dict, bool]:
-        """Insert a job (PENDING, or QUEUED for the cluster scheduler); returns (job, created).  With an idempotency key already
-        used by this tenant, returns that job and created=False."""
+                   state: JobState = JobState.PENDING, first_events: list[dict] = ()) -> tuple[dict, bool]:
+        """Insert a job (PENDING, or QUEUED for the cluster scheduler) and its ``first_events``
+        in one transaction (no reader sees the job without them: a ``resume_from`` event read by
+        a cluster scheduler that admits the job at once); returns (job, created).  With an
+        idempotency key already used by this tenant, returns that job and created=False."""
         row = {"id": job_id, "tenant": tenant, "name": spec["name"], "spec": spec, "state": state.value,
                "created_at": time.time(), "step": 0, "steps": spec["training"]["steps"],
                "idempotency_key": idempotency_key}
         try:
             with self.engine.begin() as c:
                 c.execute(jobs.insert().values(**row))
+                if first_events:
+                    c.execute(events.insert(), self._event_rows(job_id, first_events))
             return self.get_job(job_id), True
         except IntegrityError:  # two requests with one key raced: the first one won
             found = self.find_by_idempotency_key(tenant, idempotency_key) if idempotency_key else None
@@ -309,11 +313,14 @@ class Store:
     def add_events(self, job_id: str, rows: list[dict]) -> None:
         if not rows:
             return
-        values = [{"job_id": job_id, "time": r.get("time", time.time()), "type": r["type"], "message": r["message"],
-                   "data": {k: v for k, v in r.items() if k not in ("time", "type", "message")} or None}
-                  for r in rows]
         with self.engine.begin() as c:
-            c.execute(events.insert(), values)
+            c.execute(events.insert(), self._event_rows(job_id, rows))
+
+    @staticmethod
+    def _event_rows(job_id: str, rows: list[dict]) -> list[dict]:
+        return [{"job_id": job_id, "time": r.get("time", time.time()), "type": r["type"], "message": r["message"],
+                 "data": {k: v for k, v in r.items() if k not in ("time", "type", "message")} or None}
+                for r in rows]
 
     def add_metrics(self, job_id: str, rows: list[dict]) -> None:
         """Record committed steps and the job's progress fields from the newest one.  A step

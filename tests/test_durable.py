@@ -280,11 +280,14 @@ def test_a_restart_waits_for_its_storage_to_answer_and_fails_when_it_does_not(ra
         relay.close()
 
 
-def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_server, tmp_path):
+def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_server, ray_session, tmp_path):
     """POST /v1/jobs?resume_from=JOB (relaytrain submit --resume-from JOB): a 1x2 job is cancelled
-    after a few checkpoints; a 2x2 job starts from its newest checkpoint and runs to its own
-    last step, its rows from the step after the checkpoint, its model the one-process loop's
-    after all the steps. (A REST job could not be resumed at all: a user trial.)"""
+    after a few checkpoints; a 2x2 job starts from its newest checkpoint, its rows from the step
+    after the checkpoint, its model the one-process loop's after all the steps. (A REST job could
+    not be resumed at all: a user trial.)  Its scheduler is lost before it writes a checkpoint of
+    its own: it restarts from the checkpoint it started from (it failed, "no complete
+    checkpoint"), and is finished.  A retry of its Idempotency-Key without ``resume_from`` is a
+    409 (it answered with this job)."""
     first = spec_dict("first", 100000, str(tmp_path / "ckpt"), every=3, most=0)
     with durable_server.client() as c:
         a = c.post("/v1/jobs", json=first).json()
@@ -297,18 +300,33 @@ def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_ser
         c.post(f"/v1/jobs/{a['id']}/cancel")
         ended = wait_state(c, a["id"], {"CANCELLED"}, timeout=60)
         n = ended["checkpoint"]["step"]
-        second = spec_dict("second", n + 6, str(tmp_path / "ckpt2"), every=3, most=0, dp=2, pp=2)
-        r = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=second)
+        second = spec_dict("second", 100000, str(tmp_path / "ckpt2"), every=100000, most=1, dp=2, pp=2)
+        key = {"Idempotency-Key": "resume-second"}
+        r = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=second, headers=key)
         assert r.status_code == 201, r.text
         b = r.json()
+        again = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=second, headers=key)
+        assert again.status_code == 200 and again.json()["id"] == b["id"], again.text
+        other = c.post("/v1/jobs", json=second, headers=key)
+        assert other.status_code == 409 and other.json()["detail"] == (
+            f"Idempotency-Key 'resume-second' was already used for job {b['id']} with resume_from={a['id']}; a retry "
+            "must send the same request: use a new key for a new job"), other.text
+        until(lambda: c.get(f"/v1/jobs/{b['id']}").json()["step"] >= n + 3, what="3 steps past the source's")
+        assert c.get(f"/v1/jobs/{b['id']}").json()["checkpoint"] is None
+        _kill_scheduler(ray_session, b["id"])
+        [restarted] = until(lambda: [e for e in _events(c, b["id"]) if e["type"] == "restarted"],
+                            what="the restart", timeout=60)
+        until(lambda: c.get(f"/v1/jobs/{b['id']}").json()["step"] > n + 3, what="a step after the restart")
+        assert c.post(f"/v1/jobs/{b['id']}/finish").status_code == 200
         done = wait_state(c, b["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
         assert done["state"] == "SUCCEEDED", done["error"]
         evs = _events(c, b["id"])
         [src] = [e for e in evs if e["type"] == "resume_from"]
         assert src["job"] == a["id"] and src["step"] == n and src["checkpoint"] == ended["checkpoint"]["path"], src
         assert src["message"] == f"starts from job {a['id']}'s checkpoint of step {n} at {src['checkpoint']}"
+        assert restarted["from_step"] == n and restarted["checkpoint"] == src["checkpoint"], restarted
         rows = c.get(f"/v1/jobs/{b['id']}/metrics").json()
-        assert [r["step"] for r in rows] == list(range(n + 1, n + 7))
+        assert [r["step"] for r in rows] == list(range(n + 1, done["step"] + 1))
         got = torch.load(io.BytesIO(c.get(f"/v1/jobs/{b['id']}/model").content))
         # bad sources: not a job of yours, and a job that wrote no checkpoint
         r = c.post("/v1/jobs", params={"resume_from": "nope-00000000"}, json=second)
@@ -325,7 +343,7 @@ def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_ser
         assert r.status_code == 422 and r.json()["detail"] == (
             f"resume_from: job {none['id']} has no complete checkpoint (its spec writes none: checkpoint.every_steps "
             "is 0)"), r.text
-    want, _ = reference.train(parse_spec(second))
+    want, _ = reference.train(parse_spec(second), steps=done["step"])
     for k in want:
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
 
@@ -462,10 +480,17 @@ def _find_scheduler(name: str, timeout: float = 60):
     return launch.find_scheduler(job_id)
 
 
-def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(ray_session, s3_bucket, tmp_path):
-    """`relaytrain run` restarts a lost scheduler from S3; a bucket that vanishes mid-run costs
-    checkpoints (checkpoint_failed), not the job, and checkpoints resume when it is back."""
+def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(ray_session, s3_server, s3_bucket,
+                                                                                tmp_path, monkeypatch):
+    """`relaytrain run` restarts a lost scheduler from S3, waiting for the storage when it does
+    not answer then (it failed at once: a user trial; only the run's own connections go through
+    a relay that is closed, the workers write to S3 throughout); a bucket that vanishes mid-run
+    costs checkpoints (checkpoint_failed), not the job, and checkpoints resume when it is back."""
     import boto3
+
+    relay = Relay(("127.0.0.1", s3_server.port)).open()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{relay.port}")
+    monkeypatch.setenv("RELAYTRAIN_STORAGE_WAIT_S", "40")  # tried again every 2 s
 
     bucket = s3_bucket.removeprefix("s3://")
     # long enough to outlive the outage: with its workers at the driver's priority (resources.nice 0) an 80-step
@@ -487,7 +512,15 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
 
     sched = _find_scheduler("fg")
     until(lambda: "checkpoint" in kinds() and committed() >= 5, what="a checkpoint and 5 steps")
+    relay.close()
     ray_session.kill(sched)
+    until(lambda: "waiting" in kinds(), what="the run waiting for its storage", timeout=60)
+    waiting = next(e for e in map(json.loads, open(events_file)) if e["type"] == "waiting")
+    assert waiting["reason"] == "storage" and waiting["message"].startswith(
+        f"the job's scheduler actor was lost (killed, out of memory, or its node went), and its checkpoints at "
+        f"{s3_bucket}/run could not be read (") and waiting["message"].endswith("trying again for up to 40 s"), waiting
+    assert t.is_alive() and "failed" not in kinds()
+    relay.open()
     until(lambda: "resumed" in kinds(), what="the restarted scheduler resumed")
     s3 = boto3.client("s3")  # take the bucket away for a while (parts may land while it is emptied)
 
@@ -534,6 +567,7 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     got = torch.load(tmp_path / "out" / "model.pt")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
+    relay.close()
 
 
 def test_a_worker_killed_mid_upload_leaves_no_checkpoint_that_resumes(ray_session, s3_bucket, tmp_path):
