@@ -160,8 +160,8 @@ def _plain(e: dict) -> dict:
     an unknown field is "unknown field (check its spelling)", not "Extra inputs are not
     permitted"; and an error about the whole body does not echo the whole spec back."""
     e = {**e, "msg": error_message(e)}
-    if isinstance(e.get("input"), dict) and tuple(e.get("loc") or ()) == ("body",):
-        e.pop("input")
+    if isinstance(e.get("input"), dict) and (tuple(e.get("loc") or ()) == ("body",) or e.get("type") == "missing"):
+        e.pop("input")  # the whole body, or the object a missing field belongs in: nothing the user needs back
     return e
 
 
@@ -219,8 +219,19 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError):
         """FastAPI's 422, whatever the body held: a NaN or an infinity it echoes is written as
-        text (JSON has no such numbers, and writing one would turn the 422 into a 500)."""
-        return JSONResponse({"detail": json_safe(jsonable_encoder([_plain(e) for e in exc.errors()]))}, status_code=422)
+        text (JSON has no such numbers, and writing one would turn the 422 into a 500).  A body
+        that is not JSON at all is a 400, as YAML that does not parse is (it was a 422 whose
+        detail said only "JSON decode error")."""
+        errors = exc.errors()
+        bad = next((e for e in errors if e.get("type") == "json_invalid"), None)
+        if bad is not None:
+            loc = bad.get("loc") or ()
+            at = f" at character {loc[1]}" if len(loc) > 1 and isinstance(loc[1], int) else ""
+            why = (bad.get("ctx") or {}).get("error") or bad.get("msg")
+            return JSONResponse({"detail": f"the body is not JSON: {why}{at}; send the job spec as JSON "
+                                           "(Content-Type: application/json) or as YAML (Content-Type: "
+                                           "application/yaml)"}, status_code=400)
+        return JSONResponse({"detail": json_safe(jsonable_encoder([_plain(e) for e in errors]))}, status_code=422)
 
     app.include_router(health.router)
     app.include_router(jobs.router)
