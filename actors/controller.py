@@ -197,6 +197,12 @@ class JobController:
                 raise SpecError(misfit)
         copy = self.keeper.resume_copy()
         start = copy["step"] if copy else 0
+        if copy:  # another model's checkpoint loads by name what matches: refused, saying what differs
+            try:
+                checkpoint.check_fits(copy["path"], self.layers.state)
+            except ValueError as e:
+                self.group.stop_others(early.values())
+                raise SpecError(str(e)) from None
         try:
             self.reshaper.install(shape, why, early, start, self.layers.boundary(shape), copy=copy, donors={})
         except JobFailure as e:  # (a user's error stops it at once)

@@ -30,6 +30,7 @@ class Layers:
     profiled: bool         # the costs were declared or estimated (else all zero)
     on_meta: bool          # traced on the meta device (else run once for real: a small model)
     skips: list = ()       # the model's skips: (stasher, popper, name, at, (shape, dtype name)) (actors/portals.py)
+    state: Optional[dict] = None  # the whole model's state: {name: shape} (what its checkpoints hold)
 
     def boundary(self, shape: planner.Shape) -> list:
         """(shape, dtype) of what each stage of ``shape`` sends on."""
@@ -161,4 +162,4 @@ def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layer
                                gpu=bool(spec.resources.gpus_per_worker) if gpu is None else gpu)
     metas = [(tuple(shape), tracing.dtype_name(dtype)) for shape, dtype in t.metas]
     skips = [(s.stasher, s.popper, s.name, s.at, (tuple(s.meta[0]), tracing.dtype_name(s.meta[1]))) for s in t.skips]
-    return Layers(facts, metas, t.stateless, profiled, t.on_meta, skips)
+    return Layers(facts, metas, t.stateless, profiled, t.on_meta, skips, t.model_state)

@@ -97,6 +97,10 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             resume_path = str(found.resolve()) if isinstance(found, Path) else found
         except FileNotFoundError as e:
             raise SpecError(f"--resume: {e}") from None
+        try:
+            checkpoint.check_fits(resume_path, traced.state, "--resume: ")
+        except ValueError as e:
+            raise SpecError(str(e)) from None
 
     import ray
 

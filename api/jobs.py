@@ -159,10 +159,11 @@ class JobManager:
             raise Invalid("the spec imports user code (model.builder, data.builder or loss.builder) but names no "
                           "runtime_env.working_dir: upload the code with POST /v1/packages and set "
                           "runtime_env.working_dir to the uri it returns (relaytrain submit does both)")
+        model_state = None
         if not spec.uses_imports:
             try:  # built-ins only (no user code runs here), the model on the meta device (no memory);
                 with _PREFLIGHT:  # one at a time: a trace pushes torch's dispatch modes and RNG state
-                    check_builtin_spec(spec)
+                    model_state = check_builtin_spec(spec)
             except SpecError as e:
                 raise Invalid(str(e)) from None
         try:
@@ -173,7 +174,7 @@ class JobManager:
                 restarts.check_storage(path)
         except SpecError as e:
             raise Invalid(str(e)) from None
-        resume = self._resume_source(tenant, resume_from) if resume_from is not None else None  # reads storage
+        resume = self._resume_source(tenant, resume_from, model_state) if resume_from is not None else None
         with self._admission:
             earlier = self._retry_of(tenant, idempotency_key, body, resume_from)  # a retry may have raced this one in
             if earlier is not None:
@@ -190,8 +191,10 @@ class JobManager:
             self.cluster.tick(fresh=job_id)  # admitted now if it fits, else queued saying why
         return self.get(tenant, job["id"]), created
 
-    def _resume_source(self, tenant: str, source: str) -> dict:
-        """The ``resume_from`` event of a job that starts from ``source``'s newest checkpoint."""
+    def _resume_source(self, tenant: str, source: str, model_state: Optional[dict]) -> dict:
+        """The ``resume_from`` event of a job that starts from ``source``'s newest checkpoint (read
+        from its storage), which must hold the state ``model_state`` where that is known (a model
+        of built-ins; the job's scheduler checks a user model's)."""
         src = self.store.get_job(source, tenant)
         if src is None:
             raise Invalid(f"resume_from: you have no job {source!r}")
@@ -208,6 +211,10 @@ class JobManager:
             raise Invalid(f"resume_from: job {source} has no complete checkpoint" + (
                 f" under {root}" if root else " (its spec writes none: checkpoint.every_steps is 0)"))
         step = checkpoint.step_of(newest)
+        try:
+            checkpoint.check_fits(newest, model_state or {}, "resume_from: ")
+        except ValueError as e:
+            raise Invalid(str(e)) from None
         return {"type": "resume_from", "message": f"starts from job {source}'s checkpoint of step {step} at {newest}",
                 "job": source, "checkpoint": str(newest), "step": step}
 

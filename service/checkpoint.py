@@ -244,7 +244,8 @@ def write_part(folder: str | Path, index: int, count: int, model: dict, optim: d
     if not 0 <= index < count:
         raise ValueError(f"part {index} of {count}: the index must be in [0, {count})")
     folder = _loc(folder)
-    entry = {"file": part_name(index, count), "model": list(model), "optim": list(optim.get("state", {}))}
+    entry = {"file": part_name(index, count), "model": list(model), "optim": list(optim.get("state", {})),
+             "shapes": {n: list(t.shape) for n, t in model.items()}}
     if not isinstance(folder, Path):
         fs, path = storage.fs_and_path(_child(folder, entry["file"]))
         _write_stream(fs, path, lambda f: torch.save({"model": model, "optim": optim}, f))
@@ -581,6 +582,42 @@ def names_in(path: str | Path) -> list[str]:
         state = _torch_load(_child(p, "state.pt"))
         return list(state["model"])
     return list(dict.fromkeys(n for part in meta["parts"] for n in part["model"]))
+
+
+def check_fits(path: str | Path, model_state: dict, what: str = "") -> None:
+    """Raise ValueError, saying what differs, unless the checkpoint ``path`` holds exactly the
+    state of the model ``model_state`` ({name: shape}, tracing's ``model_state``): the same
+    names, and the same shapes where the manifest records them (checkpoints written since
+    2026-11-30).  A resume loads by name, so a checkpoint of another model (a layer renamed or
+    wrapped, another width) loaded what matched and left the rest at its initial values
+    without a word (a user trial); ``what`` begins the message (``--resume``)."""
+    if not model_state:
+        return
+    p = resolve(path)
+    meta = _manifest(p)
+    held = names_in(p)
+    shapes = {n: tuple(s) for part in meta.get("parts", []) for n, s in (part.get("shapes") or {}).items()}
+    lacks = [n for n in model_state if n not in set(held)]
+    extra = [n for n in held if n not in model_state]
+    differ = [n for n in model_state if n in shapes and shapes[n] != tuple(model_state[n])]
+    if not (lacks or extra or differ):
+        return
+
+    def listed(names: list) -> str:
+        return ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+
+    said = []
+    if lacks:
+        said.append(f"the model has {listed(lacks)}, which the checkpoint lacks")
+    if extra:
+        said.append(f"the checkpoint has {listed(extra)}, which the model lacks")
+    if differ:
+        said.append("; ".join(f"{n} is {list(shapes[n])} in the checkpoint and {list(model_state[n])} in the model"
+                              for n in differ[:4]) + (f" (and {len(differ) - 4} more)" if len(differ) > 4 else ""))
+    source = f" (job {meta['job_id']})" if meta.get("job_id") else ""
+    raise ValueError(f"{what}the checkpoint {p}{source} is not of this model: {'; '.join(said)}. A checkpoint "
+                     "restores a model with the same parameter and buffer names and shapes: resume from one of "
+                     "this model, or give the model its layers' names as they were")
 
 
 def load(path: str | Path, names: Names = None) -> dict:

@@ -6,6 +6,7 @@ Every failure raises :class:`SpecError` with a message that says what to change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import inspect
@@ -388,8 +389,34 @@ def counted_targets(spec: JobSpec, targets: torch.Tensor) -> Optional[int]:
     return None if n == targets.numel() else n
 
 
+def check_labels(targets: torch.Tensor, output_shape: tuple, field: str) -> None:
+    """The built-in cross entropy's class labels (all of an (X, Y) data's, else a microbatch's)
+    lie in [0, classes) of the model's output: a model of 5 outputs for labels 0-9 failed at
+    its first step, after the workers started, with torch's "Target 7 is out of bounds" (a
+    user trial)."""
+    if targets.is_floating_point() or not output_shape or targets.numel() == 0:
+        return  # probabilities as targets: F.cross_entropy checks their shape
+    classes = output_shape[-1]
+    counted = targets[targets != IGNORE_INDEX]
+    if counted.numel() == 0:
+        return
+    low, high = int(counted.min()), int(counted.max())
+    if low < 0 or high >= classes:
+        raise SpecError(f"loss cross_entropy: the targets of {field} hold class labels from {low} to {high}, but the "
+                        f"model's output has {classes} classes (its last dimension, of shape {list(output_shape)} for "
+                        f"a microbatch), so labels must be in [0, {classes})" + (
+                            f": make the model's last layer output {high + 1} classes or more" if low >= 0 else
+                            f"; only {IGNORE_INDEX} may stand for a target left out"))
+
+
 def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.mse_loss(pred, target.reshape(pred.shape).to(pred.dtype))
+    if target.shape != pred.shape:
+        if [d for d in target.shape if d != 1] != [d for d in pred.shape if d != 1]:
+            raise ValueError(f"mse compares the model's output with targets of its shape, and the output has shape "
+                             f"{list(pred.shape)} and the targets {list(target.shape)} (only dimensions of size 1 "
+                             "may differ): make the model output one value per target")
+        target = target.reshape(pred.shape)  # (N,) targets for an (N, 1) output
+    return F.mse_loss(pred, target.to(pred.dtype))
 
 
 LOSSES = {"cross_entropy": cross_entropy, "mse": mse}
@@ -499,7 +526,8 @@ def first_microbatch(spec: JobSpec, samples: Samples) -> tuple[torch.Tensor, tor
 def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     """Check that the spec can work before any actor starts: imports, what the builders
     return, layer count against pp, optimizer arguments, and one microbatch through the
-    model and the loss, on the meta device (no memory; see service/tracing.py)."""
+    model and the loss, on the meta device (no memory; see service/tracing.py).  The trace's
+    ``model_state`` names the whole model's state as its checkpoints hold it."""
     lazydynamo.defer()  # before the trace and the optimizer, which would import torch._dynamo
     rec = check_structure(spec, search)
     if spec.parallelism.tp > 1:
@@ -512,19 +540,23 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     x, y = first_microbatch(spec, samples)
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
-    return t
+    if spec.loss == "cross_entropy":
+        check_labels(samples.y if samples.y is not None else y, t.metas[-1][0], samples.field)
+    return dataclasses.replace(t, model_state={f"{rec.names[i]}.{k}": shape for i, layer in enumerate(t.state)
+                                               for k, shape in layer.items()})
 
 
-def check_builtin_spec(spec: JobSpec) -> None:
+def check_builtin_spec(spec: JobSpec) -> Optional[dict]:
     """What the API server checks of a spec naming only built-ins (no user code runs there):
     everything ``preflight`` checks, the data too (a batch larger than the data, args a
     builder does not take), except data read from files (``tokens``), which are on the
-    cluster's disks: for those the job's own pre-flight there reads them."""
+    cluster's disks: for those the job's own pre-flight there reads them.  Returns the
+    model's state names and shapes when it traced the model (``preflight``)."""
     kinds = {spec.data.kind, spec.eval.data.kind if spec.eval is not None else None}
     if "tokens" in kinds:
         check_structure(spec)
-    else:
-        preflight(spec)
+        return None
+    return preflight(spec).model_state
 
 
 def check_tensor_plans(rec: "ModelRecipe", tp: int) -> None:

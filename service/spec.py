@@ -461,6 +461,12 @@ def error_message(e: dict) -> str:
         return "unknown field (check its spelling)"
     if e.get("type") == "missing":
         return "required field is missing"
+    if e.get("type") == "model_type":  # "Input should be a valid dictionary or instance of ScheduleSpec"
+        got = e.get("input")
+        shown = json.dumps(got) if isinstance(got, (str, int, float, bool, list)) else type(got).__name__
+        hint = f": write {{name: {got}}}" if tuple(e.get("loc") or ())[-1:] == ("schedule",) and isinstance(got, str) \
+            else ""
+        return f"must be a mapping of its fields (field: value), not {shown}{hint}"
     return str(e.get("msg", "")).removeprefix("Value error, ")
 
 
@@ -472,7 +478,7 @@ def format_validation_error(err: ValidationError) -> str:
         if e["type"] in ("int_type", "bool_type", "float_type", "string_type") and isinstance(
                 e.get("input"), (str, int, float, bool)):
             msg += f", not {json.dumps(e['input'])}"
-        if e["type"] == "spec_number":  # the message names the field itself
+        if e["type"] == "spec_number" or not e["loc"]:  # the message names the field itself (a check of the whole spec)
             parts.append(msg)
             continue
         parts.append(f"{loc}: {msg}")

@@ -93,6 +93,9 @@ class Trace:
     skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
     norms: frozenset = frozenset()  # layers holding a BatchNorm with running statistics (training.batch_norm)
     linears: frozenset = frozenset()  # layers holding a plain Linear (plain_linear): their weight gradients can wait
+    state: list = dataclasses.field(default_factory=list)  # each layer's state_dict: {key in the layer: shape}
+    # the whole model's state_dict (what its checkpoints hold): {name: shape}; service/loading.py preflight
+    model_state: dict = dataclasses.field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -313,8 +316,9 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
     norms = frozenset(i for i in range(count) if norms_of(layers[i]))
     linears = frozenset(i for i in range(count) if any(plain_linear(m) for m in layers[i].modules()))
+    state = [{k: tuple(v.shape) for k, v in layers[i].state_dict().items()} for i in range(count)]
     return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,
-                 norms=norms, linears=linears)
+                 norms=norms, linears=linears, state=state)
 
 
 def _same(t):

@@ -337,6 +337,13 @@ def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_ser
         p = cli(durable_server, "submit", str(tmp_path / "second.json"), "--resume-from", "nope-00000000")
         assert p.returncode == 2 and p.stderr.strip().endswith(
             "HTTP 422: resume_from: you have no job 'nope-00000000'"), p.stderr
+        wider = {**second, "model": {"kind": "mlp", "args": {"hidden": 48, "layers": 3}}}
+        r = c.post("/v1/jobs", params={"resume_from": a["id"]}, json=wider)  # another model's checkpoint
+        assert r.status_code == 422 and re.fullmatch(
+            rf"resume_from: the checkpoint {re.escape(src['checkpoint'])} \(job {a['id']}\) is not of this model: "
+            r"\S+ is \[32, 64\] in the checkpoint and \[48, 64\] in the model; .+\. A checkpoint restores a model "
+            r"with the same parameter and buffer names and shapes: resume from one of this model, or give the model "
+            r"its layers' names as they were", r.json()["detail"]), r.text
         none = c.post("/v1/jobs", json=spec_dict("none", 2, str(tmp_path / "ckpt3"), every=0, most=0)).json()
         wait_state(c, none["id"], {"SUCCEEDED", "FAILED"}, timeout=120)
         r = c.post("/v1/jobs", params={"resume_from": none["id"]}, json=second)

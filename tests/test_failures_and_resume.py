@@ -100,7 +100,7 @@ def test_job_larger_than_cluster_is_refused(ray_session, tmp_path):
     # the ReLUs are entries of their own: the 1x3 stages take layers with no state (nothing to copy)
     {"builder": "userpkg.models:classifier", "args": {"width": 32}},
 ], ids=["builtin-mlp", "user-classifier-with-relu-entries"])
-def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path, model):
+def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path, model, monkeypatch):
     ckpt = tmp_path / "ckpt"
     spec = parse_spec({
         "name": "resume", "model": model, "data": {"kind": "digits"},
@@ -126,6 +126,31 @@ def test_checkpoint_resume_equals_uninterrupted(ray_session, tmp_path, model):
     rows = [json.loads(x) for x in open(tmp_path / "b" / "metrics.jsonl")]
     assert [r["step"] for r in rows] == [5, 6, 7, 8, 9]  # every step after the checkpoint committed once
     assert any(e["type"] == "resumed" for e in final["events"])
+    # another model's checkpoint: refused before anything starts, saying what differs (it loaded
+    # the names that matched and trained on from the others' initial values: a user trial)
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / "keep.txt").write_text("mine")
+    wider = {"kind": "mlp", "args": {"hidden": 48, "layers": 3}} if model.get("kind") else {**model, "args": {"width": 48}}
+    renamed = {"builder": "userpkg.models:classifier", "args": {"width": 32}} if model.get("kind") else \
+        {"kind": "mlp", "args": {"hidden": 32, "layers": 3}}
+    for bad, said in ((wider, r"\S+ is \[32, 64\] in the checkpoint and \[48, 64\] in the model"),
+                      (renamed, r"the model has .+, which the checkpoint lacks; the checkpoint has .+, which the model "
+                                r"lacks")):
+        with pytest.raises(SpecError, match=rf"^--resume: the checkpoint {re.escape(str(ckpt / 'step-00000004'))} "
+                                            rf"\(job resume-\w+\) is not of this model: .*{said}.*\. A checkpoint "
+                                            "restores a model with the same parameter and buffer names and shapes"):
+            run_job(spec=spec.model_copy(update={"model": type(spec.model).model_validate(bad)}), spec_dir=FIXTURES,
+                    out=str(tmp_path / "c"), progress=False, resume=str(ckpt / "step-00000004"))
+    assert [p.name for p in (tmp_path / "c").iterdir()] == ["keep.txt"]
+    if model.get("kind"):  # the job's scheduler checks too (a REST job of user code has no check before it)
+        import actors.runner
+
+        monkeypatch.setattr(actors.runner.checkpoint, "check_fits", lambda *a, **k: None)  # this process only
+        with pytest.raises(JobFailed, match=rf"^the checkpoint {re.escape(str(ckpt / 'step-00000004'))} \(job "
+                                            r"resume-\w+\) is not of this model: .*\S+ is \[32, 64\] in the checkpoint "
+                                            r"and \[48, 64\] in the model"):
+            run_job(spec=spec.model_copy(update={"model": type(spec.model).model_validate(wider)}), spec_dir=FIXTURES,
+                    out=str(tmp_path / "d"), progress=False, resume=str(ckpt / "step-00000004"))
 
 
 def test_resume_without_checkpoint_is_a_clear_error(ray_session, tmp_path):

@@ -1,5 +1,6 @@
 """Bad specs fail before any actor starts, with a message that says what to change."""
 import copy
+import re
 import os
 
 import pytest
@@ -388,3 +389,41 @@ def test_bf16_preflight_of_a_builder_that_converts_its_layers_with_to():
                              training__precision="bf16"))
     t = preflight(s, [FIXTURES])
     assert t.on_meta and t.metas[-1] == ((8, 16, 96), torch.bfloat16)  # the head's matmul under autocast
+
+
+def test_class_labels_beyond_the_models_outputs_and_mse_targets_of_another_shape_are_refused():
+    """Found by a user trial: a model of 5 outputs for the digits' labels 0-9 passed the check and
+    failed at its first step with torch's "Target 7 is out of bounds"; mse reshaped targets of
+    another shape (one of another size was torch's "shape '[8, 5]' is invalid for input of size
+    80", and one of the same size was silently reshaped)."""
+    s = parse_spec(spec_with(model={"kind": "mlp", "args": {"out_features": 5}}, data={"kind": "digits"}))
+    with pytest.raises(SpecError, match=re.escape(
+            "loss cross_entropy: the targets of data.kind=digits hold class labels from 0 to 9, but the model's "
+            "output has 5 classes (its last dimension, of shape [8, 5] for a microbatch), so labels must be in "
+            "[0, 5): make the model's last layer output 10 classes or more")):
+        preflight(s)
+    s = parse_spec(spec_with(model={"kind": "regression_mlp", "args": {"out_features": 5}},
+                             data={"kind": "regression", "args": {"out_features": 10}}, loss="mse"))
+    with pytest.raises(SpecError, match=re.escape(
+            "the loss fails on the model's output (shape (8, 5)) and the targets (shape (8, 10)): ValueError: mse "
+            "compares the model's output with targets of its shape, and the output has shape [8, 5] and the targets "
+            "[8, 10] (only dimensions of size 1 may differ): make the model output one value per target")):
+        preflight(s)
+    # one output per target, (N,) or (N, 1), passes
+    preflight(parse_spec(spec_with(model={"kind": "regression_mlp"}, data={"kind": "regression"}, loss="mse")))
+
+
+def test_a_check_of_the_whole_spec_and_a_field_that_is_not_a_mapping_read_plainly():
+    """A user trial: "spec: optimizer.schedule.warmup_steps ..." said "spec" twice, and
+    ``schedule: cosine`` was "Input should be a valid dictionary or instance of ScheduleSpec"."""
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(optimizer__schedule__warmup_steps=10, training__steps=3))
+    assert str(e.value) == ("invalid job spec: optimizer.schedule.warmup_steps (10) is above training.steps (3): the "
+                            "rate would never reach lr; use fewer warm-up steps")
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(optimizer__schedule="cosine"))
+    assert str(e.value) == ("invalid job spec: optimizer.schedule: must be a mapping of its fields (field: value), "
+                            'not "cosine": write {name: cosine}')
+    with pytest.raises(SpecError) as e:
+        parse_spec(spec_with(training=5))
+    assert str(e.value) == "invalid job spec: training: must be a mapping of its fields (field: value), not 5"
