@@ -434,6 +434,9 @@ class StageWorker:
         with torch.no_grad():
             for k, v in model.items():
                 if k in mine:
+                    if v.shape != mine[k].shape:  # copy_ would broadcast some shapes without a word
+                        raise ValueError(f"the state that arrived for {k} has shape {list(v.shape)} and the model's "
+                                         f"{k} has {list(mine[k].shape)}: a checkpoint of another model?")
                     mine[k].copy_(v.to(self.device))
 
     def _new_optimizer(self, old: Optional[dict], incoming: dict) -> None:
