@@ -143,7 +143,7 @@ class JobController:
         only what the policy needs (the worker counts it can use) and what it ran as."""
         old = self.record.shape or {}
         self.record.set_shape({**({"usable_workers": old["usable_workers"]} if old.get("usable_workers") else {}),
-                               **({"ran_as": {k: old[k] for k in ("dp", "pp", "tp") if k in old}} if old.get("dp") else {})})
+                               **({"ran_as": {k: old[k] for k in ("dp", "pp", "tp", "replicas") if k in old}} if old.get("dp") else {})})
 
     # ---------------------------------------------------------------- starting
 

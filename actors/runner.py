@@ -24,6 +24,7 @@ from typing import Optional
 from actors import launch, layerfacts
 from service import checkpoint, restarts, shards
 from service.loading import search_dirs
+from service.replicas import shape_label_of
 from service.spec import JobSpec, SpecError, load_spec
 from service.states import JobState
 
@@ -264,7 +265,7 @@ class _Seen:
             if snap["metrics"]:
                 last = snap["metrics"][-1]
                 bar.n = last["step"]
-                shape = f"{last['dp']}x{last['pp']}" + (f"x{last['tp']} (tp)" if last.get("tp") else "")
+                shape = shape_label_of(last)
                 bar.set_postfix(loss=f"{last['loss']:.4f}" if last["loss"] is not None else "skipped",
                                 samples_s=f"{last['samples_per_s']:.0f}", shape=shape)
             elif bar.n == 0 and snap["step"]:  # a resumed run: the bar starts at the step it resumed from

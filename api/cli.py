@@ -235,10 +235,12 @@ def _print_job(job: dict) -> None:
         nth = f"{n}{'th' if 11 <= n % 100 <= 13 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
         queued = (f"\n  queued: {nth}, {queue['reason']}" if queue
                   else "\n  queued: waiting for the cluster scheduler to look at it")
-    placed = f"shape {shape.get('dp', '?')}x{shape.get('pp', '?')}"
+    from service.replicas import shape_label_of
+
+    placed = f"shape {shape_label_of(shape)}"
     if job["state"] == "QUEUED":  # holds no workers (a preempted job's row keeps what it ran as)
         ran = shape.get("ran_as")
-        placed = f"no workers (ran as {ran['dp']}x{ran['pp']} until preempted)" if ran else "no workers"
+        placed = f"no workers (ran as {shape_label_of(ran)} until preempted)" if ran else "no workers"
     print(f"{job['id']}  {job['state']:<10} step {job['step']}/{job['steps']}  loss {loss}  " + placed
           + (f"  allotted {allotted} worker{'' if allotted == 1 else 's'}" if allotted is not None and elastic else "")
           + (f"  restarts {job.get('restarts', 0)}/{most}" if most or job.get("restarts") else "")

@@ -361,8 +361,9 @@ class JobManager:
         """Jobs with their restarts, newest checkpoint, place in the queue and allotted workers
         (for a page of them)."""
         got = self.store.durability([r["id"] for r in rows])
-        out = [{**r, **got[r["id"]], "queue": self.cluster.queued(r["id"]),
-                "allotted_workers": self.cluster.allotted.get(r["id"])} for r in rows]
+        out = [{**r, **got[r["id"]], "queue": self.cluster.queued(r["id"]),  # an ended job holds no allotment (the
+                "allotted_workers": None if JobState(r["state"]).is_terminal  # cluster scheduler's next look drops it)
+                else self.cluster.allotted.get(r["id"])} for r in rows]
         for j in out:  # an admitted job short of worker slots says so; a job past it does not
             if j["state"] not in (JobState.PENDING, JobState.RESHAPING):
                 j["waiting"] = None

@@ -182,8 +182,7 @@ class Shape:
                                                                                             else ())
 
     def label(self) -> str:
-        return f"{self.dp}x{self.pp}" + (f" replicas {replicas_.label(self.replicas)}" if self.replicas else "") + (
-            f"x{self.tp} (tp)" if self.tp > 1 else "")
+        return replicas_.shape_label(self.dp, self.pp, self.replicas, self.tp)
 
 
 @dataclass(frozen=True)

@@ -81,6 +81,19 @@ def label(replicas: Sequence[int]) -> str:
     return "[" + ",".join(str(r) for r in replicas) + "]"
 
 
+def shape_label(dp: int, pp: int, replicas: Optional[Sequence[int]] = None, tp: Optional[int] = 1) -> str:
+    """A shape as every view says it: ``2x3``, ``1x3 replicas [1,2,1]``, ``1x2x2 (tp)`` (a TP or
+    replicated job was ``1x2`` / ``1x3`` in the status, the list, the page and the timeline
+    beside lanes of 4 workers: a user trial)."""
+    return f"{dp}x{pp}" + (f" replicas {label(replicas)}" if replicas else "") + (
+        f"x{tp} (tp)" if (tp or 1) > 1 else "")
+
+
+def shape_label_of(shape: dict) -> str:
+    """:func:`shape_label` of a shape dict (a job's ``shape``, a metrics row, a timeline entry)."""
+    return shape_label(shape.get("dp", "?"), shape.get("pp", "?"), shape.get("replicas"), shape.get("tp"))
+
+
 @dataclass(frozen=True)
 class Plan:
     """One pipeline's step: ``order[slot]`` is the action list of that worker; ``start``/``end``

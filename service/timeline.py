@@ -364,7 +364,7 @@ def _headline(v: dict, lay: _Layout, title: Optional[str]) -> list[str]:
     """Two lines above the lanes: ``title`` (default: job, step and shape), then the measured
     and planned utilization and the step's span."""
     chunks, group = v.get("chunks") or 1, v.get("weight_group") or 1
-    head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {v['dp']}x{v['pp']} "
+    head = title or (f"{v['job'] + '  ' if v.get('job') else ''}step {v['step']}  ·  {rp.shape_label_of(v)} "
                      f"{v['schedule']}{f' ({chunks} chunks per worker)' if chunks > 1 else ''}"
                      f"{f', W in groups of {group}' if group > 1 else ''}, "
                      f"{v['microbatches_per_replica']} microbatches per replica")
@@ -451,7 +451,7 @@ def _action_box(worker: str, b: dict, y: int, lay: _Layout, split: bool = False)
 
 def summary(v: dict) -> str:
     """The timeline as text (``relaytrain timeline`` without ``--out``)."""
-    lines = [f"step {v['step']}  shape {v['dp']}x{v['pp']} {v['schedule']}, {v['microbatches_per_replica']} microbatches "
+    lines = [f"step {v['step']}  shape {rp.shape_label_of(v)} {v['schedule']}, {v['microbatches_per_replica']} microbatches "
              f"per replica  span {_ms(v['span_s'])}  measured utilization {_pct(v['utilization'])}, "
              f"plan {_pct(v['utilization_plan'])}"]
     for lane in v["lanes"]:

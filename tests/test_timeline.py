@@ -378,3 +378,28 @@ def test_portals_are_drawn_from_the_stashers_forward_to_the_poppers():
     svg = timeline.render_svg(v)
     assert svg.count('class="portal"') == 2 and "skip 'enc' of microbatch 0: w0.0 -&gt; w0.2" in svg
     assert timeline.view(timeline.record(2, shape(dp=1, pp=3, m=2), fake_workers(dp=1, pp=3, m=2)))["portals"] == []
+
+
+def test_a_tp_or_replicated_shape_is_said_whole_in_the_timeline_and_the_cli(capsys):
+    """A user trial: a 1x2 job with tp 2 (four lanes) was "1x2" in the timeline, the status and
+    the list, and one with replicas [1,2,1] "1x3"."""
+    from api.cli import _print_job
+    from service.replicas import shape_label_of
+
+    one = fake_workers(dp=1, pp=2)
+    workers = {f"w0.{2 * s + j}": one[f"w0.{s}"] for s in range(2) for j in range(2)}  # each stage's 2 TP ranks
+    tp_shape = {**shape(dp=1, pp=2), "tp": 2, "workers": {w: "node0" + "0" * 50 for w in workers}}
+    v = timeline.view(timeline.record(3, tp_shape, workers), [3])
+    assert v["tp"] == 2 and [lane.get("tp_rank") for lane in v["lanes"]] == [0, 1, 0, 1]
+    assert timeline.summary(v).startswith("step 3  shape 1x2x2 (tp) 1f1b, 3 microbatches per replica")
+    assert shape_label_of({"dp": 1, "pp": 3, "replicas": [1, 2, 1]}) == "1x3 replicas [1,2,1]"
+    assert shape_label_of({"dp": 2, "pp": 2}) == "2x2"
+    job = {"id": "tp-1", "state": "RUNNING", "step": 5, "steps": 10, "loss": 0.5, "shape": tp_shape,
+           "spec": {"restarts": {"max": 0}}, "checkpoint": None, "queue": None, "allotted_workers": None}
+    _print_job(job)
+    _print_job({**job, "id": "rep-1", "shape": {"dp": 1, "pp": 3, "replicas": [1, 2, 1]}})
+    _print_job({**job, "id": "pre-1", "state": "QUEUED", "shape": {"ran_as": {"dp": 1, "pp": 2, "tp": 2}}})
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "tp-1  RUNNING    step 5/10  loss 0.5  shape 1x2x2 (tp)"
+    assert out[1] == "rep-1  RUNNING    step 5/10  loss 0.5  shape 1x3 replicas [1,2,1]"
+    assert out[2].startswith("pre-1  QUEUED     step 5/10  loss 0.5  no workers (ran as 1x2x2 (tp) until preempted)")

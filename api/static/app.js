@@ -103,9 +103,11 @@ function fmtAgo(t) {
 
 function fmtClock(t) { return new Date(t * 1000).toLocaleTimeString([], { hour12: false }); }
 
+// a shape as the CLI and the timeline say it (service/replicas.py shape_label): 1×3 replicas [1,2,1], 1×2×2 (tp)
 function shapeText(shape) {
   if (!shape || shape.dp == null) return "–";
-  return `${shape.dp}×${shape.pp} · ${shape.schedule || ""}`;
+  return `${shape.dp}×${shape.pp}` + (shape.replicas ? ` replicas [${shape.replicas.join(",")}]` : "") +
+    (shape.tp > 1 ? `×${shape.tp} (tp)` : "") + ` · ${shape.schedule || ""}`;
 }
 
 function badge(state) { return el("span", { class: "badge " + state, "data-state": state, text: state }); }
