@@ -199,7 +199,7 @@ class JobController:
         start = copy["step"] if copy else 0
         if copy:  # another model's checkpoint loads by name what matches: refused, saying what differs
             try:
-                checkpoint.check_fits(copy["path"], self.layers.state)
+                checkpoint.check_fits(copy["path"], self.layers.state, own_job=self.job_id)
             except ValueError as e:
                 self.group.stop_others(early.values())
                 raise SpecError(str(e)) from None

@@ -188,7 +188,9 @@ class StateKeeper:
                 where = "peer workers" if any(not isinstance(k, dict) for k in ranges.values()) else "the scheduler"
                 best = {"step": step, "ranges": ranges, "source": f"copy of step {step} kept by {where}"}
                 break
-        newest = checkpoint.newest_or_origin(self.checkpoint_root, self.job_id, self.origin)
+        # the checkpoint the job started from only when nothing newer is kept (its storage is not
+        # read at every reshape of a job that writes no checkpoints)
+        newest = checkpoint.newest_or_origin(self.checkpoint_root, self.job_id, None if best else self.origin)
         if newest is not None:
             copy = _on_storage(newest)
             if best is None or copy["step"] > best["step"]:

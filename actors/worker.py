@@ -431,13 +431,20 @@ class StageWorker:
         if not model:
             return
         mine = self.stage.state_dict()
+        extra = {}  # a module's get_extra_state (any object): given back through load_state_dict
         with torch.no_grad():
             for k, v in model.items():
-                if k in mine:
-                    if v.shape != mine[k].shape:  # copy_ would broadcast some shapes without a word
-                        raise ValueError(f"the state that arrived for {k} has shape {list(v.shape)} and the model's "
-                                         f"{k} has {list(mine[k].shape)}: a checkpoint of another model?")
-                    mine[k].copy_(v.to(self.device))
+                if k not in mine:
+                    continue
+                if not isinstance(mine[k], torch.Tensor) or not isinstance(v, torch.Tensor):
+                    extra[k] = v
+                    continue
+                if v.shape != mine[k].shape:  # copy_ would broadcast some shapes without a word
+                    raise ValueError(f"the state that arrived for {k} has shape {list(v.shape)} and the model's "
+                                     f"{k} has {list(mine[k].shape)}: a checkpoint of another model?")
+                mine[k].copy_(v.to(self.device))
+        if extra:
+            self.stage.load_state_dict(extra, strict=False)
 
     def _new_optimizer(self, old: Optional[dict], incoming: dict) -> None:
         """An optimizer over the stage's parameters, with the state of the layers kept here

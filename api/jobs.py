@@ -75,6 +75,8 @@ class JobManager:
         # submits cannot overrun it (one API process; the Kubernetes deployment runs one replica)
         self._admission = threading.Lock()
         self._requests = threading.Lock()  # a finish's check and its event, written together
+        self._probe = None  # the readiness check's question to Ray, one at a time (ray_ok)
+        self._probe_lock = threading.Lock()
 
     # ---------------------------------------------------------------- Ray
 
@@ -104,12 +106,33 @@ class JobManager:
         print(joined_ray_message(ray.get_runtime_context().gcs_address, ray.cluster_resources().get("CPU", 0),
                                  self.settings.local_cpus), file=sys.stderr, flush=True)
 
-    def ray_ok(self) -> bool:
+    def ray_ok(self, timeout: float = 2.0) -> bool:
+        """Ray answers within ``timeout`` s. A call to a Ray whose GCS is gone blocks (until the
+        driver gives up on it after 60 s and ends this process): ``/readyz`` gave no answer
+        at all (a user trial). One question is in flight at a time: while it is unanswered,
+        later checks wait on it, and none piles up threads."""
+        import concurrent.futures
         import ray
 
-        try:
+        def answers() -> bool:
             return ray.is_initialized() and bool(ray.cluster_resources())
-        except Exception:
+
+        with self._probe_lock:
+            if self._probe is None or self._probe.done():
+                self._probe = concurrent.futures.Future()
+                probe = self._probe
+
+                def ask():
+                    try:
+                        probe.set_result(answers())
+                    except Exception:
+                        probe.set_result(False)
+
+                threading.Thread(target=ask, name="relaytrain-ray-probe", daemon=True).start()
+            probe = self._probe
+        try:
+            return probe.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
             return False
 
     # ---------------------------------------------------------------- submit

@@ -245,7 +245,7 @@ def write_part(folder: str | Path, index: int, count: int, model: dict, optim: d
         raise ValueError(f"part {index} of {count}: the index must be in [0, {count})")
     folder = _loc(folder)
     entry = {"file": part_name(index, count), "model": list(model), "optim": list(optim.get("state", {})),
-             "shapes": {n: list(t.shape) for n, t in model.items()}}
+             "shapes": {n: list(t.shape) for n, t in model.items() if isinstance(t, torch.Tensor)}}
     if not isinstance(folder, Path):
         fs, path = storage.fs_and_path(_child(folder, entry["file"]))
         _write_stream(fs, path, lambda f: torch.save({"model": model, "optim": optim}, f))
@@ -528,7 +528,9 @@ def newest_or_origin(root: Optional[str], job_id: str, origin: Optional[str] = N
     the checkpoint it started from (``resume_from``, ``relaytrain run --resume``): a job lost
     before it wrote a checkpoint of its own goes back there, not to step 0 or to a failure."""
     newest = latest(root, job_id) if root else None
-    return newest if newest is not None else origin
+    if newest is not None or origin is None:
+        return newest
+    return origin if _manifest(_loc(origin)) is not None else None  # gone (deleted, pruned): no checkpoint
 
 
 def restart_decision(spec, root: Optional[str], job_id: str, *, used: int, committed: int, reason: str,
@@ -584,22 +586,28 @@ def names_in(path: str | Path) -> list[str]:
     return list(dict.fromkeys(n for part in meta["parts"] for n in part["model"]))
 
 
-def check_fits(path: str | Path, model_state: dict, what: str = "") -> None:
+def check_fits(path: str | Path, model_state: dict, what: str = "", own_job: Optional[str] = None) -> None:
     """Raise ValueError, saying what differs, unless the checkpoint ``path`` holds exactly the
     state of the model ``model_state`` ({name: shape}, tracing's ``model_state``): the same
     names, and the same shapes where the manifest records them (checkpoints written since
     2026-11-30).  A resume loads by name, so a checkpoint of another model (a layer renamed or
     wrapped, another width) loaded what matched and left the rest at its initial values
-    without a word (a user trial); ``what`` begins the message (``--resume``)."""
+    without a word (a user trial); ``what`` begins the message (``--resume``).  A checkpoint of
+    ``own_job`` is not checked: the job wrote it, and a buffer its forward sizes by the data
+    (a positional table grown for a longer sequence) may differ from the trace's."""
     if not model_state:
         return
     p = resolve(path)
     meta = _manifest(p)
+    if own_job is not None and meta.get("job_id") == own_job:
+        return
     held = names_in(p)
     shapes = {n: tuple(s) for part in meta.get("parts", []) for n, s in (part.get("shapes") or {}).items()}
-    lacks = [n for n in model_state if n not in set(held)]
+    have = set(held)
+    lacks = [n for n in model_state if n not in have]
     extra = [n for n in held if n not in model_state]
-    differ = [n for n in model_state if n in shapes and shapes[n] != tuple(model_state[n])]
+    differ = [n for n in model_state if n in shapes and model_state[n] is not None
+              and shapes[n] != tuple(model_state[n])]
     if not (lacks or extra or differ):
         return
 

@@ -414,7 +414,7 @@ def mse(pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if [d for d in target.shape if d != 1] != [d for d in pred.shape if d != 1]:
             raise ValueError(f"mse compares the model's output with targets of its shape, and the output has shape "
                              f"{list(pred.shape)} and the targets {list(target.shape)} (only dimensions of size 1 "
-                             "may differ): make the model output one value per target")
+                             "may differ): make the model's output and the targets the same shape")
         target = target.reshape(pred.shape)  # (N,) targets for an (N, 1) output
     return F.mse_loss(pred, target.to(pred.dtype))
 

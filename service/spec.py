@@ -463,7 +463,8 @@ def error_message(e: dict) -> str:
         return "required field is missing"
     if e.get("type") == "model_type":  # "Input should be a valid dictionary or instance of ScheduleSpec"
         got = e.get("input")
-        shown = json.dumps(got) if isinstance(got, (str, int, float, bool, list)) else type(got).__name__
+        shown = json.dumps(got) if got is None or isinstance(got, (str, int, float, bool, list)) else type(got).__name__
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
         hint = f": write {{name: {got}}}" if tuple(e.get("loc") or ())[-1:] == ("schedule",) and isinstance(got, str) \
             else ""
         return f"must be a mapping of its fields (field: value), not {shown}{hint}"

@@ -316,7 +316,8 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
     norms = frozenset(i for i in range(count) if norms_of(layers[i]))
     linears = frozenset(i for i in range(count) if any(plain_linear(m) for m in layers[i].modules()))
-    state = [{k: tuple(v.shape) for k, v in layers[i].state_dict().items()} for i in range(count)]
+    state = [{k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # get_extra_state: any object
+              for k, v in layers[i].state_dict().items()} for i in range(count)]
     return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,
                  norms=norms, linears=linears, state=state)
 

@@ -679,3 +679,40 @@ def test_yaml_submits_are_counted_under_their_route(tmp_path):
     for status in (400, 422, 415):
         assert f'relaytrain_http_requests_total{{method="POST",route="/v1/jobs",status="{status}"}} 1.0' in text, text
     assert 'route="unmatched"' not in text
+
+
+def test_readyz_says_503_in_seconds_when_ray_does_not_answer(tmp_path, monkeypatch):
+    """A call to a Ray whose GCS is gone blocks: /readyz gave no answer at all, for the minute
+    before Ray's driver ended the server (a user trial). It answers 503 within its 2 s, and
+    one question to Ray is in flight at a time, however often it is polled."""
+    import threading
+
+    import ray
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    release, asked = threading.Event(), []
+
+    def hangs():
+        asked.append(1)
+        release.wait(30)
+        return {"CPU": 4.0}
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: True)
+    monkeypatch.setattr(ray, "cluster_resources", hangs)
+    app = create_app(Settings(home=tmp_path, api_tokens=""), connect_ray=False)
+    try:
+        with TestClient(app) as tc:
+            for _ in range(3):
+                t0 = time.monotonic()
+                r = tc.get("/readyz")
+                assert r.status_code == 503 and r.json() == {"ready": False, "store": True, "ray": False}, r.text
+                assert time.monotonic() - t0 < 4
+            assert len(asked) == 1  # the first question is still the one in flight
+            release.set()
+            time.sleep(0.2)
+            assert tc.get("/readyz").json() == {"ready": True, "store": True, "ray": True}
+    finally:
+        release.set()

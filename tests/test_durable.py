@@ -59,6 +59,24 @@ def test_restart_decisions_say_why():
     assert "set restarts.max" in restarts.decide(never, used=0, committed=7, newest_step=6, reason="lost").message
 
 
+def test_a_job_goes_back_to_the_checkpoint_it_started_from_while_it_has_none_of_its_own(tmp_path):
+    from pathlib import Path
+
+    root, src = tmp_path / "mine", tmp_path / "src"
+    root.mkdir()
+    src.mkdir()
+    (src / ".tmp-x").mkdir()
+    part = checkpoint.write_part(src / ".tmp-x", 0, 1, {"0.weight": torch.zeros(2)}, {"state": {}})
+    origin = str(checkpoint.finish(src, src / ".tmp-x", 6, [part], {"job_id": "src-1"}))
+    spec = parse_spec(spec_dict("d", 10, str(root), most=1))
+    d, newest = checkpoint.restart_decision(spec, str(root), "b-1", used=0, committed=9, reason="lost", origin=origin)
+    assert d.restart and newest == origin and d.fields["from_step"] == 6 and d.fields["rerun_steps"] == 3
+    # gone (deleted, pruned by another writer): no checkpoint, at once (a review: it waited out the storage)
+    d, newest = checkpoint.restart_decision(spec, str(root), "b-1", used=0, committed=9, reason="lost",
+                                            origin=str(Path(origin).with_name("step-00000099")))
+    assert not d.restart and newest is None and "no complete checkpoint" in d.message
+
+
 def test_checkpoint_roots(tmp_path):
     spec = parse_spec(spec_dict("d", 10, "s3://bucket/runs/"))
     assert restarts.checkpoint_root(spec) == "s3://bucket/runs"
@@ -488,7 +506,7 @@ def _find_scheduler(name: str, timeout: float = 60):
 
 
 def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(ray_session, s3_server, s3_bucket,
-                                                                                tmp_path, monkeypatch):
+                                                                                tmp_path, monkeypatch, request):
     """`relaytrain run` restarts a lost scheduler from S3, waiting for the storage when it does
     not answer then (it failed at once: a user trial; only the run's own connections go through
     a relay that is closed, the workers write to S3 throughout); a bucket that vanishes mid-run
@@ -496,6 +514,7 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     import boto3
 
     relay = Relay(("127.0.0.1", s3_server.port)).open()
+    request.addfinalizer(relay.close)
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{relay.port}")
     monkeypatch.setenv("RELAYTRAIN_STORAGE_WAIT_S", "40")  # tried again every 2 s
 
@@ -574,7 +593,6 @@ def test_run_restarts_its_scheduler_and_an_outage_costs_checkpoints_not_the_job(
     got = torch.load(tmp_path / "out" / "model.pt")
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=2e-5)
-    relay.close()
 
 
 def test_a_worker_killed_mid_upload_leaves_no_checkpoint_that_resumes(ray_session, s3_bucket, tmp_path):

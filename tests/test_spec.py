@@ -407,7 +407,7 @@ def test_class_labels_beyond_the_models_outputs_and_mse_targets_of_another_shape
     with pytest.raises(SpecError, match=re.escape(
             "the loss fails on the model's output (shape (8, 5)) and the targets (shape (8, 10)): ValueError: mse "
             "compares the model's output with targets of its shape, and the output has shape [8, 5] and the targets "
-            "[8, 10] (only dimensions of size 1 may differ): make the model output one value per target")):
+            "[8, 10] (only dimensions of size 1 may differ): make the model's output and the targets the same shape")):
         preflight(s)
     # one output per target, (N,) or (N, 1), passes
     preflight(parse_spec(spec_with(model={"kind": "regression_mlp"}, data={"kind": "regression"}, loss="mse")))
@@ -427,3 +427,41 @@ def test_a_check_of_the_whole_spec_and_a_field_that_is_not_a_mapping_read_plainl
     with pytest.raises(SpecError) as e:
         parse_spec(spec_with(training=5))
     assert str(e.value) == "invalid job spec: training: must be a mapping of its fields (field: value), not 5"
+
+
+def test_a_layer_with_extra_state_traces_and_its_checkpoint_is_checked_by_its_tensors(tmp_path):
+    """``get_extra_state`` may return any object: the trace and a checkpoint's manifest record
+    shapes of tensors only (a review: both assumed every state_dict value was a tensor)."""
+    from pathlib import Path
+
+    from service import checkpoint
+
+    (tmp_path / "extra.py").write_text(
+        "import torch.nn as nn\n"
+        "class Scaled(nn.Linear):\n"
+        "    def get_extra_state(self):\n"
+        "        return {'scale': 1.0}\n"
+        "    def set_extra_state(self, state):\n"
+        "        self.scale = state['scale']\n"
+        "def build():\n"
+        "    return [lambda: Scaled(64, 32), nn.ReLU, lambda: nn.Linear(32, 10)]\n")
+    s = parse_spec(spec_with(model={"builder": "extra:build"}, data={"kind": "digits"}))
+    t = preflight(s, [str(tmp_path)])
+    assert t.model_state == {"0.weight": (32, 64), "0.bias": (32,), "0._extra_state": None, "2.weight": (10, 32),
+                             "2.bias": (10,)}
+    root = Path(tmp_path / "ckpt")
+    root.mkdir()
+    folder = root / ".tmp-1"
+    folder.mkdir()
+    import torch
+
+    part = checkpoint.write_part(folder, 0, 1, {"0.weight": torch.zeros(32, 64), "0.bias": torch.zeros(32),
+                                                "0._extra_state": {"scale": 1.0}, "2.weight": torch.zeros(10, 32),
+                                                "2.bias": torch.zeros(10)}, {"state": {}})
+    assert part["shapes"] == {"0.weight": [32, 64], "0.bias": [32], "2.weight": [10, 32], "2.bias": [10]}
+    done = checkpoint.finish(root, folder, 1, [part], {"job_id": "a-1"})
+    checkpoint.check_fits(done, t.model_state)  # fits
+    wider = {**t.model_state, "2.weight": (12, 32)}
+    with pytest.raises(ValueError, match=r"2.weight is \[10, 32\] in the checkpoint and \[12, 32\] in the model"):
+        checkpoint.check_fits(done, wider)
+    checkpoint.check_fits(done, wider, own_job="a-1")  # the job's own checkpoint: not checked
