@@ -53,8 +53,9 @@ def start_local_ray(cpus: Optional[int]) -> None:
 
 def joined_ray_message(address: str, cpus: float, local_cpus: Optional[int]) -> str:
     """What ``serve`` says when it joins the Ray already running on its machine."""
-    said = (f"relaytrain serve: using the Ray already running on this machine at {address} ({cpus:g} CPU slots), "
-            "as it does after a restart of this server; pass --ray-address to choose a cluster")
+    said = (f"relaytrain serve: using the Ray already running on this machine at {address} ({cpus:g} CPU slots): "
+            "this server's own from before a restart, or another program's, whose end would end this server "
+            "within a minute; pass --ray-address to choose a cluster")
     if local_cpus is not None and local_cpus != cpus:
         said += (f". --local-cpus {local_cpus} is not applied: it sizes a Ray that serve starts itself (stop this one "
                  "with `ray stop` first, if it is yours and no job of another server runs on it)")

@@ -1,6 +1,7 @@
 """Request and response schemas of the REST API (separate from the store's rows)."""
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 from pydantic import BaseModel, Field
@@ -67,7 +68,25 @@ class JobOut(BaseModel):
 
     @classmethod
     def from_row(cls, row: dict) -> "JobOut":
-        return cls(**{k: row[k] for k in cls.model_fields if k in row})
+        out = {k: row[k] for k in cls.model_fields if k in row}
+        if isinstance(out.get("spec"), dict):
+            out["spec"] = redacted(out["spec"])
+        return cls(**out)
+
+
+SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSW|CREDENTIAL|PRIVATE|(^|_)(API_?)?KEY$|AUTH", re.I)
+
+
+def redacted(spec: dict) -> dict:
+    """A spec as answers show it: the values of ``runtime_env.env_vars`` whose names look like
+    secrets (``AWS_SECRET_ACCESS_KEY``, ``HF_TOKEN``, ``..._PASSWORD``, ``..._API_KEY``) as
+    ``***``. They are stored as given (the job needs them), but every answer echoed them back,
+    on the page and in ``relaytrain status --json`` too (a user trial)."""
+    env = (spec.get("runtime_env") or {}).get("env_vars")
+    if not isinstance(env, dict) or not any(SECRET_NAME.search(str(k)) for k in env):
+        return spec
+    hidden = {k: "***" if SECRET_NAME.search(str(k)) else v for k, v in env.items()}
+    return {**spec, "runtime_env": {**spec["runtime_env"], "env_vars": hidden}}
 
 
 class JobPage(BaseModel):

@@ -92,6 +92,10 @@ def load_weights(tokens_env: str, tokens_file: Optional[Path], weights_env: str 
         tenant, sep, value = item.strip().partition(":")
         if not sep or not tenant.strip():
             raise TokenError(f"RELAYTRAIN_TENANT_WEIGHTS: entry {n} is not 'tenant:weight'")
+        known = tenants or {LOCAL_TENANT}
+        if tenant.strip() not in known:  # a mistyped name got weight 1 without a word (a user trial)
+            raise TokenError(f"RELAYTRAIN_TENANT_WEIGHTS names tenant {tenant.strip()!r} that no API token belongs "
+                             f"to (known: {', '.join(sorted(known))}); fix the name or add its token")
         weights[tenant.strip()] = _weight(value.strip(), tenant.strip(), "RELAYTRAIN_TENANT_WEIGHTS")
     if weights_file:
         weights.update(_weights_file(Path(weights_file), tenants or {LOCAL_TENANT}))

@@ -501,7 +501,27 @@ SPEC_MAX_DEPTH = 64
 
 
 class _SpecLoader(yaml.SafeLoader):
-    """YAML's safe loader without its dates: ``name: 2024-01-01`` is the string a spec means."""
+    """YAML's safe loader without its dates: ``name: 2024-01-01`` is the string a spec means;
+    a key written twice in one mapping is an error (YAML's loader kept the last without a word:
+    a spec with ``name:`` twice ran under the second; a user trial). Keys a merge (``<<: *base``)
+    brings in may be overridden, as YAML means."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node)
+                except TypeError:  # an unhashable key: SafeLoader says so itself
+                    continue
+                if first is not key_node:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark, f"found the key {key!r} twice (first {first.start_mark.line + 1}:"
+                        f"{first.start_mark.column + 1}); write each field once", key_node.start_mark)
+        return super().construct_mapping(node, deep=deep)
 
 
 _SpecLoader.yaml_implicit_resolvers = {

@@ -716,3 +716,19 @@ def test_readyz_says_503_in_seconds_when_ray_does_not_answer(tmp_path, monkeypat
             assert tc.get("/readyz").json() == {"ready": True, "store": True, "ray": True}
     finally:
         release.set()
+
+
+def test_answers_hide_the_values_of_env_vars_named_like_secrets():
+    """A user trial: a spec's runtime_env.env_vars AWS_SECRET_ACCESS_KEY came back in every
+    answer (GET /v1/jobs/ID, the list, the page). The store keeps it (the job needs it)."""
+    from api.schemas import JobOut
+
+    spec = {**small_spec("s"), "runtime_env": {"env_vars": {
+        "AWS_SECRET_ACCESS_KEY": "zzz", "HF_TOKEN": "hf_x", "DB_PASSWORD": "p", "OPENAI_API_KEY": "k",
+        "AWS_ACCESS_KEY_ID": "AKIA1", "OMP_NUM_THREADS": "1", "MY_FLAG": "on"}}}
+    row = {"id": "s-1", "name": "s", "tenant": "alice", "state": "RUNNING", "step": 0, "steps": 1, "created_at": 0.0,
+           "spec": spec}
+    shown = JobOut.from_row(row).model_dump()["spec"]["runtime_env"]["env_vars"]
+    assert shown == {"AWS_SECRET_ACCESS_KEY": "***", "HF_TOKEN": "***", "DB_PASSWORD": "***", "OPENAI_API_KEY": "***",
+                     "AWS_ACCESS_KEY_ID": "AKIA1", "OMP_NUM_THREADS": "1", "MY_FLAG": "on"}
+    assert spec["runtime_env"]["env_vars"]["AWS_SECRET_ACCESS_KEY"] == "zzz"  # the row itself is left as it was

@@ -67,6 +67,9 @@ def test_weights_from_tokens_env_and_file(tmp_path):
     (f"alice:{T1}:lots", "", "the weight of tenant 'alice' must be a positive number, not 'lots'"),
     (f"alice:{T1}", "alice:0", "RELAYTRAIN_TENANT_WEIGHTS: the weight of tenant 'alice' must be a positive number"),
     (f"alice:{T1}", "alice", "RELAYTRAIN_TENANT_WEIGHTS: entry 1 is not 'tenant:weight'"),
+    # a mistyped tenant got weight 1 without a word, where a weights file naming it is refused (a user trial)
+    (f"alice:{T1}", "alice:2,carol:2", r"RELAYTRAIN_TENANT_WEIGHTS names tenant 'carol' that no API token belongs to "
+                                       r"\(known: alice\); fix the name or add its token"),
 ])
 def test_bad_weights_say_what_to_change(tokens, env, message):
     from service.auth import load_weights
@@ -134,7 +137,8 @@ def test_serve_says_which_ray_it_joined_and_that_local_cpus_is_not_applied():
 
     said = joined_ray_message("192.0.2.2:6379", 4.0, 1)
     assert said == ("relaytrain serve: using the Ray already running on this machine at 192.0.2.2:6379 (4 CPU "
-                    "slots), as it does after a restart of this server; pass --ray-address to choose a cluster. "
+                    "slots): this server's own from before a restart, or another program's, whose end would end "
+                    "this server within a minute; pass --ray-address to choose a cluster. "
                     "--local-cpus 1 is not applied: it sizes a Ray that serve starts itself (stop this one with "
                     "`ray stop` first, if it is yours and no job of another server runs on it)")
     assert joined_ray_message("192.0.2.2:6379", 4.0, 4).endswith("pass --ray-address to choose a cluster")

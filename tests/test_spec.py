@@ -465,3 +465,15 @@ def test_a_layer_with_extra_state_traces_and_its_checkpoint_is_checked_by_its_te
     with pytest.raises(ValueError, match=r"2.weight is \[10, 32\] in the checkpoint and \[12, 32\] in the model"):
         checkpoint.check_fits(done, wider)
     checkpoint.check_fits(done, wider, own_job="a-1")  # the job's own checkpoint: not checked
+
+
+def test_a_key_written_twice_in_a_yaml_spec_is_an_error_and_a_merge_may_override(tmp_path):
+    """A user trial: a spec with ``name:`` twice was accepted, the second winning."""
+    p = tmp_path / "twice.yaml"
+    p.write_text("name: first\nmodel: {kind: mlp}\ndata: {kind: digits}\nname: second\n")
+    with pytest.raises(SpecError, match=r"(?s)is not valid YAML: .*found the key 'name' twice \(first 1:1\); write each "
+                                        r"field once\n  in \"<unicode string>\", line 4, column 1"):
+        load_spec(p)
+    from service.spec import read_yaml
+
+    assert read_yaml("base: &b {lr: 0.1, name: sgd}\nopt:\n  <<: *b\n  lr: 0.2\n")["opt"] == {"lr": 0.2, "name": "sgd"}
