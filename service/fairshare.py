@@ -253,7 +253,11 @@ def _queued_reason(p: _Plan, j: JobDemand, pos: int, share: float, policy: str) 
     ahead = pos - 1
     text = f"waiting for {need:g} CPU slot{_s(need)} ({size} worker{_s(size)}); {ahead} job{_s(ahead)} ahead"
     if policy != "fifo" and p.tenant_used(j.tenant) + need > share + 1e-9 and p.free + 1e-9 < need:
-        text += f"; tenant {j.tenant} already uses {p.tenant_used(j.tenant):g} of its weighted share of {share:.3g}"
+        if need > share + 1e-9:  # it said "uses 0 of its share of 2.67" beside an elastic job grown to 4 (a user trial)
+            text += (f"; it needs more than tenant {j.tenant}'s weighted share of {share:.3g} slots, so other "
+                     f"tenants' jobs do not shrink or give way for it: it starts when {need:g} slots are free")
+        else:
+            text += f"; tenant {j.tenant} already uses {p.tenant_used(j.tenant):g} of its weighted share of {share:.3g}"
     return text
 
 

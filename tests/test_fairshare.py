@@ -29,6 +29,18 @@ def test_a_job_that_does_not_fit_is_queued_with_its_place_and_reason(policy):
     assert "1 job ahead" in got["b2"].reason
 
 
+def test_a_job_larger_than_its_tenants_share_says_it_waits_for_free_slots():
+    """A user trial: alice (weight 2 of 3) queued a 4-slot job beside bob's elastic job grown to
+    4 and read "tenant alice already uses 0 of its weighted share of 2.67", which does not say
+    why bob's job kept its slots."""
+    got = allocate(4, [job("b1", "b", order=0, lo=1, hi=4, running=4), job("a3", "a", order=1, lo=4)],
+                   {"a": 2.0, "b": 1.0})
+    assert (got["b1"].workers, got["a3"].workers) == (4, 0)
+    assert got["a3"].reason == ("waiting for 4 CPU slots (4 workers); 0 jobs ahead; it needs more than tenant a's "
+                                "weighted share of 2.67 slots, so other tenants' jobs do not shrink or give way for "
+                                "it: it starts when 4 slots are free")
+
+
 def test_the_second_job_is_admitted_when_the_first_ends():
     assert table(2, [job("b1", "b", order=1, lo=2)]) == {"b1": (2, "admit")}
 
