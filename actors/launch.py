@@ -2,6 +2,7 @@
 (actors/runner.py) and the control plane (api/jobs.py) share."""
 from __future__ import annotations
 
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,11 +11,11 @@ from typing import Any, Optional
 import ray
 
 from actors import codepkg, nodeenv
-from service import rayconnect
+from service import packages, rayconnect
 from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
 
-RUNTIME_ENV_EXCLUDES = [".git", ".venv", "venv", "__pycache__", "*.pt", "*.pth", "checkpoints", "out", "node_modules"]
+RUNTIME_ENV_EXCLUDES = [*packages.EXCLUDED_DIRS, *(f"*{s}" for s in packages.EXCLUDED_SUFFIXES)]
 TERMINAL = ("SUCCEEDED", "FAILED", "CANCELLED")
 
 
@@ -38,7 +39,8 @@ def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
     env = dict(spec.runtime_env)
     if spec.uses_imports and spec_dir and "working_dir" not in env:
         env["working_dir"] = str(Path(spec_dir).resolve())
-        env["excludes"] = list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
+        env["excludes"] = (list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
+                           + [f"/{p}" for p in packages.run_outputs(Path(env["working_dir"]))])
     return env
 
 
@@ -53,6 +55,14 @@ def upload_runtime_env(env: dict) -> dict:
     try:
         env = upload_py_modules_if_needed(env, include_gitignore=True, scratch_dir=scratch)
         env = upload_working_dir_if_needed(env, include_gitignore=True, scratch_dir=scratch)
+    except Exception as e:  # over Ray's limit: a sentence, not Ray's traceback (a user trial)
+        big = re.search(r"Package size \(([^)]+)\) exceeds the maximum size of (\S+?)\.?(\s|$)", str(e))
+        if not big:
+            raise
+        raise SpecError(f"the job's code folder {env.get('working_dir')} is {big[1]} once packed, over the "
+                        f"{big[2]} Ray ships: move data and other files that are not code out of it, or list them "
+                        f"in runtime_env.excludes (gitignore patterns) or a .gitignore there; relaytrain leaves out "
+                        f"{', '.join(RUNTIME_ENV_EXCLUDES)} and the folders of earlier runs' --out") from None
     finally:  # the packages are in Ray's store now
         shutil.rmtree(scratch, ignore_errors=True)
     env.pop("excludes", None)

@@ -155,8 +155,17 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         final["model"] = str(where)
         return final
     except BaseException as e:
-        if not isinstance(e, (JobFailed, SpecError)):
-            outputs.event("failed", f"{type(e).__name__}: {e}")
+        # the job's row ends too (a run that failed before its scheduler ran left it PENDING, and a
+        # server's reconcile later failed it as "the job's scheduler actor was lost": a user trial);
+        # a row the scheduler ended keeps its end
+        stopped = isinstance(e, KeyboardInterrupt)
+        why = "stopped with Ctrl-C" if stopped else str(e) if isinstance(e, (JobFailed, SpecError)) \
+            else f"{type(e).__name__}: {e}"
+        if not isinstance(e, JobFailed):
+            outputs.event("cancelled" if stopped else "failed", why)
+        if store and store.set_state(job_id, JobState.CANCELLED if stopped else JobState.FAILED,
+                                     error=None if stopped else why):
+            store.add_events(job_id, [{"type": "cancelled" if stopped else "failed", "message": why}])
         raise
     finally:
         seen.close()

@@ -66,15 +66,42 @@ def ensure_in_cluster(uri: str, root: Path) -> None:
         upload_package_to_gcs(uri, path.read_bytes())
 
 
-def zip_folder(folder: Path, excludes=(".git", ".venv", "venv", "__pycache__", "node_modules", "checkpoints", "out")) -> bytes:
-    """Zip a folder's files at the zip's root (what the CLI uploads)."""
+# what a spec's folder holds that is not its code, left out of the package shipped to the cluster
+EXCLUDED_DIRS = (".git", ".venv", "venv", "__pycache__", "node_modules", "checkpoints", "out")
+EXCLUDED_SUFFIXES = (".pt", ".pth", ".pyc", ".safetensors")
+
+
+def _is_run_output(filenames) -> bool:
+    """A folder a relaytrain run wrote (its ``--out``: metrics.jsonl beside events.jsonl)."""
+    return "metrics.jsonl" in filenames and "events.jsonl" in filenames
+
+
+def run_outputs(folder: Path) -> list[str]:
+    """The folders under ``folder`` (relative, posix) that hold a relaytrain run's outputs: an
+    earlier run's ``--out`` inside the spec's folder, whatever its name. Its model shards went
+    into every later job's package until one was over Ray's 512 MiB (a user trial)."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+        if dirpath != str(folder) and _is_run_output(filenames):
+            found.append(Path(dirpath).relative_to(folder).as_posix())
+            dirnames[:] = []
+    return found
+
+
+def zip_folder(folder: Path) -> bytes:
+    """Zip a folder's files at the zip's root (what the CLI uploads), without what is not code
+    (``EXCLUDED_DIRS``, ``EXCLUDED_SUFFIXES``, runs' outputs)."""
     buf = io.BytesIO()
     folder = Path(folder)
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as z:
         for dirpath, dirnames, filenames in os.walk(folder):
-            dirnames[:] = sorted(d for d in dirnames if d not in excludes)
+            dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
+            if dirpath != str(folder) and _is_run_output(filenames):
+                dirnames[:] = []
+                continue
             for f in sorted(filenames):
-                if f.endswith((".pt", ".pth", ".pyc")):
+                if f.endswith(EXCLUDED_SUFFIXES):
                     continue
                 full = Path(dirpath) / f
                 z.write(full, full.relative_to(folder).as_posix())

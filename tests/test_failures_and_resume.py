@@ -412,3 +412,46 @@ def test_a_fixed_shape_job_that_cannot_be_placed_says_it_waits_and_what_is_free(
                                            r"they are not placed within 5 s \(RELAYTRAIN_START_TIMEOUT_S\)", said[0])
     assert re.match(rf"could not place 2 workers of {{'CPU': 1.0}} within 5 s \({free}, 0 GPUs in all\); lower dp x pp "
                     "or the resources per worker, wait for the other jobs, or add nodes", str(failed.value))
+
+
+def test_a_spec_folder_with_earlier_runs_outputs_ships_its_code_only_and_a_run_that_fails_early_ends_its_row(
+        ray_session, tmp_path, monkeypatch):
+    """A user trial: earlier runs' --out folders inside the spec's folder (their model shards
+    are not *.pt) went into every job's code package until one was over Ray's 512 MiB, and that
+    run died with Ray's traceback, its job left PENDING in the store (a server's reconcile later
+    failed it as "the job's scheduler actor was lost")."""
+    import shutil
+    import zipfile
+    from io import BytesIO
+
+    import actors.runner
+    from actors import launch
+    from service import packages
+    from service.settings import Settings
+    from service.store import Store
+
+    code = tmp_path / "code"
+    shutil.copytree(os.path.join(FIXTURES, "userpkg"), code / "userpkg")
+    for old in ("out_a", "runs/b"):  # two earlier runs' outputs, whatever their names
+        (code / old / "model").mkdir(parents=True)
+        for f in ("metrics.jsonl", "events.jsonl"):
+            (code / old / f).write_text("{}\n")
+        (code / old / "model" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 1000)
+    (code / "weights.safetensors").write_bytes(b"x" * 1000)
+    assert packages.run_outputs(code) == ["out_a", "runs/b"]
+    names = zipfile.ZipFile(BytesIO(packages.zip_folder(code))).namelist()
+    assert "userpkg/models.py" in names and not any(n.startswith(("out_a/", "runs/")) or n.endswith(".safetensors")
+                                                    for n in names), names
+    spec = user_spec(name="early")
+    env = launch.job_runtime_env(spec, str(code))
+    assert {"/out_a", "/runs/b", "*.safetensors"} <= set(env["excludes"])
+
+    def refused(*a, **k):
+        raise RuntimeError("the cluster said no")
+
+    monkeypatch.setattr(actors.runner.launch, "start_scheduler", refused)
+    with pytest.raises(RuntimeError, match="the cluster said no"):
+        run_job(spec=spec, spec_dir=str(code), out=str(tmp_path / "o"), progress=False)
+    rows, _ = Store(Settings().db_url).list_jobs(limit=500)
+    [row] = [r for r in rows if r["name"] == "early"]
+    assert row["state"] == "FAILED" and row["error"] == "RuntimeError: the cluster said no", row
