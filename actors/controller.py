@@ -443,11 +443,13 @@ class JobController:
             row["eval_loss"] = eval_loss
         if self.restarted_at is not None:  # the first step after a restart: from the loss to this commit
             row["recovery_s"], self.restarted_at = time.time() - self.restarted_at, None
+        if self.installed:  # a reshape's first step: from its detection to this commit, in the row as stored
+            row["recovery_s"] = time.time() - self.installed.detected  # (added after it was: REST lacked it)
         rec.check_finite(row)
         self._split_trial(step, stats, wall)
         rec.commit(row, {f"w{r}.{s}": st.pop("timeline") for (r, s), st in sorted(stats.items())})
         if self.installed:
-            self._reshaped(step + 1)
+            self._reshaped(step + 1, row["recovery_s"])
         self.keeper.after_commit(step + 1, spec, rec, self.job_id)
 
     def _finish(self) -> State:
@@ -671,10 +673,10 @@ class JobController:
                               nodes=list(move.draining), step=step)
         return Running(step)
 
-    def _reshaped(self, committed: int) -> None:
+    def _reshaped(self, committed: int, seconds: float) -> None:
         """The first step of a new shape committed: record the reshape with its cost."""
         r, self.installed = self.installed, None
-        self.record.reshaped(r, committed)
+        self.record.reshaped(r, committed, seconds)
 
 
 def _listed(names: list) -> str:

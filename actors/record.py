@@ -128,17 +128,16 @@ class JobRecord:
                    f"{p.schedule} with {shape.microbatches_per_replica} microbatches per replica, "
                    f"transport {p.transport} ({why})", **info, reason=why, layer_costs_s=costs)
 
-    def reshaped(self, r, committed: int) -> None:
+    def reshaped(self, r, committed: int, seconds: float) -> None:
         """The first step of a new shape committed: a ``reshape`` event with the reshape's cost
-        (``r``: actors.reshape.Reshaped), and the recovery time on the step's metrics row."""
+        (``r``: actors.reshape.Reshaped; ``seconds`` from its detection to the commit, the
+        ``recovery_s`` of the step's metrics row)."""
         now = time.time()
-        seconds = now - r.detected
         phases = {k: round(v, 3) for k, v in r.phases.items() if k.endswith("_s")}
         phases["first_step_s"] = round(time.time() - r.phases.get("installed_at", time.time()), 3)
         tp = r.tp
         what = "layers' slices" if tp > 1 else "layers"
-        name = lambda s: f"{s[0]}x{s[1]}" + (f" replicas {s[2]}" if len(s) > 2 else "") + (  # noqa: E731
-            f"x{tp} (tp)" if tp > 1 else "")
+        name = lambda s: rp.shape_label(s[0], s[1], s[2] if len(s) > 2 else None, tp)  # noqa: E731
         old = name(r.old) if r.old else "none"
         lost = (f"{r.steps_lost} steps lost, restored from the {r.restored_from}" if r.steps_lost
                 else f"no step lost{', lost layers restored from the ' + r.restored_from if r.restored_from else ''}")
@@ -152,9 +151,6 @@ class JobRecord:
                    recovery_s=seconds, paused_s=paused, layers_moved=r.moved,
                    steps_lost=r.steps_lost, restored_from=r.restored_from, restored_from_step=r.restored_step,
                    step=committed, phases_s=phases)
-        with self._lock:
-            if self.metrics:
-                self.metrics[-1]["recovery_s"] = seconds
         self.job_metrics.reshaped(seconds)
 
     def poll(self, metrics_from: int = 0, events_from: int = 0) -> dict:

@@ -197,6 +197,13 @@ def test_nodes_joining_a_moment_apart_grow_the_job_once_without_a_pause_for_a_st
     start the last worker with training paused, ~5 s)."""
     s = growth_spec(steps=8)
     ctl, group, cluster, record = controller(s, nodes=2)
+    stored = []  # the metrics rows as the job store gets them (copies, at the moment they are written)
+
+    class Sink:
+        def write(self, metrics=(), **_):
+            stored.extend(dict(r) for r in metrics)
+
+    record.sink = Sink()
     group.queue_step(before=lambda: cluster.add("node8"))  # at the boundary after step 1: start one worker
     group.queue_step(before=lambda: cluster.add("node9"))  # it is up after step 2; by then node9 joined
     ctl.run()
@@ -207,6 +214,10 @@ def test_nodes_joining_a_moment_apart_grow_the_job_once_without_a_pause_for_a_st
     assert reshape["reason"].startswith("2 more worker slots joined")
     assert ctl.reshaper.started_in_foreground == [0]  # every worker of 2x2 was up before training paused
     assert reshape["paused_s"] < reshape["recovery_s"]  # trained on while its workers started
+    # the store's row of the reshape's first step has its recovery_s (it was added after the row
+    # was written, so REST's metrics lacked it: a user trial)
+    [first] = [r for r in stored if r["step"] == reshape["step"]]
+    assert first["recovery_s"] == reshape["recovery_s"]
 
 
 def test_a_node_that_joins_while_workers_start_for_another_gets_its_worker_at_once():

@@ -242,6 +242,7 @@ class FakeReshaper(Reshaper):
 
 class FakeKeeper:
     checkpoint_root = None
+    origin = None  # the checkpoint the job started from (StateKeeper.origin)
     snapshot_s = None
     wanted = None
 
