@@ -48,6 +48,7 @@ class JobController:
         self.installed: Optional[Reshaped] = None   # a reshape whose first committed step is awaited
         self.reshapes = 0
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
+        self.declined_at: Optional[float] = None     # the free slots a grow_declined event was written for
         self.join_more_every_s = 2.0                 # while a growth's workers start: a look for more free slots
         self.join_more_after = 0.0
         self.joining_since = 0.0                     # when workers for a growth were last started (time.time())
@@ -516,13 +517,20 @@ class JobController:
             return None
         if now < self.grow_after:
             return None
-        d = policy.decide(self._situation(kept=len(g.workers), exclude=set(), forced=False), self.spec,
-                          self.layers.facts)
+        sit = self._situation(kept=len(g.workers), exclude=set(), forced=False)
+        d = policy.decide(sit, self.spec, self.layers.facts)
         if isinstance(d, policy.Reshape):
             g.start_joining(d.more_workers(len(g.workers)))
             self._started_joining()
         elif d.reason != "no free slot":
             self.grow_after = now + 5  # re-plan when the cluster changes, not every step
+            if d.reason not in policy.EXPECTED_KEEPS and sit.free != self.declined_at:
+                # free slots the job does not take, said once for each number of them (a job that
+                # stayed at 1x3 beside a node that joined said nothing: a user trial)
+                self.declined_at = sit.free
+                n = sit.free
+                self.record.event("grow_declined", f"{n:g} free worker slot{'' if n == 1 else 's'} not taken: "
+                                  f"{d.reason}", free_slots=n, reason=d.reason, step=self.record.step)
         return None
 
     def _join_more(self, counted: int) -> None:
@@ -675,7 +683,7 @@ class JobController:
 
     def _reshaped(self, committed: int, seconds: float) -> None:
         """The first step of a new shape committed: record the reshape with its cost."""
-        r, self.installed = self.installed, None
+        r, self.installed, self.declined_at = self.installed, None, None
         self.record.reshaped(r, committed, seconds)
 
 

@@ -123,12 +123,16 @@ def _grow_onto_joined(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) 
     return Reshape(d.shape, d.reason, forced=False)
 
 
+AT_ALLOTMENT, AT_MAX = "at the workers the cluster scheduler allots it", "at elastic.max_workers"
+EXPECTED_KEEPS = (AT_ALLOTMENT, AT_MAX)  # a job that keeps its shape for these says nothing
+
+
 def _maybe_grow(sit: Situation, spec: JobSpec, facts: planner.LayerFacts) -> Decision:
     """A boundary with nothing wrong: a ``Reshape`` here means "start the workers it needs"."""
     if sit.cap is not None and sit.kept >= sit.cap:
-        return Keep("at the workers the cluster scheduler allots it")
+        return Keep(AT_ALLOTMENT)
     if sit.kept >= spec.elastic.max_workers or sit.free <= 0:
-        return Keep("no free slot" if sit.free <= 0 else "at elastic.max_workers")
+        return Keep("no free slot" if sit.free <= 0 else AT_MAX)
     d = plan(spec, facts, sit.slots, current=sit.current)
     if d.wait or d.shape.key == sit.current:
         return Keep(d.reason)

@@ -183,6 +183,21 @@ def test_a_joining_node_grows_the_job_at_a_boundary():
     assert reshape["old_shape"] == [1, 2] and reshape["new_shape"] == [2, 2] and "joined" in reshape["reason"]
 
 
+def test_free_slots_a_job_does_not_take_are_said_once():
+    """A user trial: a job stayed at 1x3 beside a node that joined, with no word of why
+    (its growth would not pay back elastic.grow_payback_s)."""
+    s = spec(dp=2, pp=2, steps=8)  # grow_payback_s 5 s: these modelled steps take milliseconds
+    ctl, group, cluster, record = controller(s, nodes=2)
+    group.queue_step()
+    group.queue_step(before=lambda: (cluster.add("node8"), cluster.add("node9")))
+    ctl.run()
+    assert record.state.value == "SUCCEEDED" and not events(record, "reshape")
+    [declined] = events(record, "grow_declined")
+    assert declined["free_slots"] == 2 and declined["message"].startswith("2 free worker slots not taken: growing to 2x2 "
+                                                                          "would save ")
+    assert declined["message"].endswith("less than elastic.grow_payback_s=5 s"), declined
+
+
 def growth_spec(steps: int):
     """An elastic job whose best shape is 1x3 on 3 slots and 2x2 on 4 (growths are modelled to pay)."""
     d = spec(dp=2, pp=2, steps=steps, grow_payback_s=0).model_dump(mode="json")
