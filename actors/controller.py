@@ -8,6 +8,7 @@ calls, the reshaper moves state, the state keeper holds the copies, the record r
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import threading
 import time
 import traceback
@@ -263,7 +264,19 @@ class JobController:
                                 previous=self.group.shape,
                                 waited_s=time.monotonic() - since if since else 0.0, cap=self.cap,
                                 steps_left=self.last - self.record.step,
-                                step_s=self.group.shape.step_s if cur else None)
+                                step_s=self.group.shape.step_s if cur else None,
+                                measured_s=self._measured_step_s() if cur else None)
+
+    def _measured_step_s(self) -> Optional[float]:
+        """The median seconds of the current shape's last (up to 9) committed steps, its first
+        after a reshape or restart left out (it holds the workers' warm-up)."""
+        rows = []
+        for r in reversed(self.record.metrics[-10:]):
+            if r.get("recovery_s") is not None or r.get("reshapes") != self.reshapes:
+                break
+            if r.get("step_time_s"):
+                rows.append(r["step_time_s"])
+        return statistics.median(rows) if len(rows) >= 3 else None
 
     def _wait(self, d, since: Optional[float], again: Callable[[float], State], sit: policy.Situation,
               move: Optional[Move] = None) -> State:

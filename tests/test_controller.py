@@ -412,6 +412,12 @@ def test_a_growth_must_pay_back_its_reshape():
     assert isinstance(few, policy.Keep) and "steps left, less than elastic.grow_payback_s=5 s" in few.reason
     many = policy.decide(policy.Situation(**sit, steps_left=100_000), s, facts())
     assert isinstance(many, policy.Reshape) and (many.shape.dp, many.shape.pp) == (2, 2)
+    # the same steps left at a measured pace far from the model's: the gain scales with it (a user
+    # trial's job kept its shape on a modelled gain 10x below the real one)
+    modelled = policy.decide(policy.Situation(**sit, steps_left=200), s, facts())
+    assert isinstance(modelled, policy.Keep), modelled
+    slow = policy.decide(policy.Situation(**sit, steps_left=200, measured_s=0.050 * 1000), s, facts())
+    assert isinstance(slow, policy.Reshape), slow
 
 
 def test_a_node_that_lost_workers_counts_again_once_dead_or_still_alive_after_a_while():
