@@ -535,13 +535,15 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     if not spec.resources.gpus_per_worker:  # GPU workers check their own device (actors/worker.py)
         check_precision(spec, gpus=False)
     samples = build_data(spec, search)
-    if spec.eval is not None:
-        check_eval_data(spec, search)
+    ev = check_eval_data(spec, search) if spec.eval is not None else None
     x, y = first_microbatch(spec, samples)
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
     if spec.loss == "cross_entropy":
         check_labels(samples.y if samples.y is not None else y, t.metas[-1][0], samples.field)
+        if ev is not None:  # its first microbatch, when it is a Dataset
+            check_labels(ev.y if ev.y is not None else ev.targets(torch.arange(spec.training.microbatch_size)),
+                         t.metas[-1][0], f"eval.{ev.field}")
     return dataclasses.replace(t, model_state={f"{rec.names[i]}.{k}": shape for i, layer in enumerate(t.state)
                                                for k, shape in layer.items()})
 
@@ -579,9 +581,9 @@ def check_tensor_plans(rec: "ModelRecipe", tp: int) -> None:
                         "'mlp.proj': 'rowwise'}), or set tp 1")
 
 
-def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> None:
+def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> "Samples":
     """The eval data builds, holds eval.batches x B samples, and gives samples shaped like the
-    training data's (the pipeline's boundaries are traced from those)."""
+    training data's (the pipeline's boundaries are traced from those); returns it."""
     try:
         ev = build_data(spec.model_copy(update={"data": spec.eval.data}), search)
     except SpecError as e:
@@ -597,6 +599,7 @@ def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> None:
         raise SpecError(f"eval.data's inputs are {tuple(a.shape[1:])} {a.dtype} per sample, the training data's "
                         f"{tuple(b.shape[1:])} {b.dtype}: the evaluation runs through the same pipeline, so give "
                         "eval data of the same shape")
+    return ev
 
 
 def search_dirs(spec_dir: Optional[str]) -> list[str]:

@@ -477,3 +477,17 @@ def test_a_key_written_twice_in_a_yaml_spec_is_an_error_and_a_merge_may_override
     from service.spec import read_yaml
 
     assert read_yaml("base: &b {lr: 0.1, name: sgd}\nopt:\n  <<: *b\n  lr: 0.2\n")["opt"] == {"lr": 0.2, "name": "sgd"}
+
+
+def test_eval_labels_the_model_cannot_hold_are_refused_too(tmp_path):
+    (tmp_path / "evdata.py").write_text(
+        "import torch\n"
+        "def build():\n"
+        "    return torch.randn(64, 64), torch.arange(64) % 12  # labels 0-11 for a model of 10 classes\n")
+    s = parse_spec(spec_with(model={"kind": "mlp"}, data={"kind": "digits"},
+                             eval={"every_steps": 2, "data": {"builder": "evdata:build"}, "batches": 1},
+                             training__global_batch_size=32))
+    with pytest.raises(SpecError, match=re.escape(
+            "loss cross_entropy: the targets of eval.data.builder hold class labels from 0 to 11, but the model's "
+            "output has 10 classes")):
+        preflight(s, [str(tmp_path)])
