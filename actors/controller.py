@@ -408,8 +408,8 @@ class JobController:
         # named after the survey: the first error to come back is often a survivor's (its peer
         # went), and the event named that survivor as the worker lost
         names = [cell_name(c) for c in move.lost]
-        what = (f"lost {', '.join(names)} during step {step + 1} (the first error: {lost.failure})" if names
-                else f"{lost.failure} during step {step + 1}")
+        what = (f"lost {', '.join(self.group.said(c) for c in move.lost)} during step {step + 1} (the first error: "
+                f"{lost.failure})" if names else f"{lost.failure} during step {step + 1}")
         self.record.event("worker_lost", f"{what}; reshaping", detail=lost.failure.detail, step=step + 1,
                           workers=names)
         return Reshaping(move=move)

@@ -69,6 +69,15 @@ class WorkerGroup:
         workers = self.spec.elastic.min_workers if self.elastic else self.spec.parallelism.dp * self.spec.parallelism.pipeline_workers
         return 1.0 if ray.cluster_resources().get("GPU", 0) >= workers else 0.0
 
+    def said(self, cell: tuple) -> str:
+        """A worker as events name it: its cell, and its Ray actor's name where that is another
+        (a worker keeps the name it started with through reshapes: `ray list actors` shows
+        ...:w0.3 for the process that holds cell w0.2 now, and a user matched the wrong one)."""
+        h = self.workers.get(cell)
+        actor = self.names.get(h._actor_id.hex(), "") if h is not None else ""
+        base = f"w{cell[0]}.{cell[1]}"
+        return base if not actor or actor.endswith(f":{base}") else f"{base} (Ray actor {actor})"
+
     def spawn(self, cells: list, actor_names: Optional[list[str]] = None) -> dict:
         """New worker actors for ``cells`` (not configured yet)."""
         if not cells:

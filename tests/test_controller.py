@@ -482,3 +482,20 @@ def test_a_fixed_shape_job_that_lost_a_worker_and_cannot_restart_says_why(restar
     ctl.run()
     assert record.state.value == "FAILED" and not events(record, "restarted")
     assert record.error == "worker w0.1 at step 2 died (its process or node was lost)" + says
+
+
+def test_a_lost_worker_is_named_by_its_cell_and_by_its_ray_actor_where_they_differ():
+    """A user trial killed the process of `relaytrain:<job>:w0.3`, which held cell w0.2 after a
+    reshape, and the event said "lost w0.2": the name `ray list actors` shows is said beside it."""
+    from types import SimpleNamespace
+
+    from actors.workergroup import WorkerGroup
+
+    def handle(hex_id):
+        return SimpleNamespace(_actor_id=SimpleNamespace(hex=lambda: hex_id))
+
+    g = WorkerGroup.__new__(WorkerGroup)
+    g.workers = {(0, 2): handle("aa"), (0, 1): handle("bb")}
+    g.names = {"aa": "relaytrain:job-1:w0.3", "bb": "relaytrain:job-1:w0.1"}
+    assert g.said((0, 2)) == "w0.2 (Ray actor relaytrain:job-1:w0.3)"
+    assert g.said((0, 1)) == "w0.1"

@@ -76,6 +76,9 @@ def died() -> ray.exceptions.ActorDiedError:
 class FakeGroup:
     """The worker group's interface, with steps scripted by ``queue_step``."""
 
+    def said(self, cell: tuple) -> str:
+        return f"w{cell[0]}.{cell[1]}"  # its actors are named after their cells
+
     def __init__(self, spec, cluster: FakeCluster):
         self.spec, self.cluster = spec, cluster
         self.elastic = spec.elastic.enabled
