@@ -49,7 +49,7 @@ class JobController:
         self.installed: Optional[Reshaped] = None   # a reshape whose first committed step is awaited
         self.reshapes = 0
         self.grow_after = 0.0                        # no growth attempt before this (monotonic)
-        self.declined_at: Optional[float] = None     # the free slots a grow_declined event was written for
+        self.declined_at: set = set()                # the free slot counts grow_declined events were written for
         self.join_more_every_s = 2.0                 # while a growth's workers start: a look for more free slots
         self.join_more_after = 0.0
         self.joining_since = 0.0                     # when workers for a growth were last started (time.time())
@@ -537,10 +537,10 @@ class JobController:
             self._started_joining()
         elif d.reason != "no free slot":
             self.grow_after = now + 5  # re-plan when the cluster changes, not every step
-            if d.reason not in policy.EXPECTED_KEEPS and sit.free != self.declined_at:
+            if d.reason not in policy.EXPECTED_KEEPS and sit.free not in self.declined_at:
                 # free slots the job does not take, said once for each number of them (a job that
                 # stayed at 1x3 beside a node that joined said nothing: a user trial)
-                self.declined_at = sit.free
+                self.declined_at.add(sit.free)
                 n = sit.free
                 self.record.event("grow_declined", f"{n:g} free worker slot{'' if n == 1 else 's'} not taken: "
                                   f"{d.reason}", free_slots=n, reason=d.reason, step=self.record.step)
@@ -696,7 +696,7 @@ class JobController:
 
     def _reshaped(self, committed: int, seconds: float) -> None:
         """The first step of a new shape committed: record the reshape with its cost."""
-        r, self.installed, self.declined_at = self.installed, None, None
+        r, self.installed, self.declined_at = self.installed, None, set()
         self.record.reshaped(r, committed, seconds)
 
 

@@ -40,7 +40,7 @@ def job_runtime_env(spec: JobSpec, spec_dir: Optional[str]) -> dict:
     if spec.uses_imports and spec_dir and "working_dir" not in env:
         env["working_dir"] = str(Path(spec_dir).resolve())
         env["excludes"] = (list(env.get("excludes", [])) + RUNTIME_ENV_EXCLUDES
-                           + [f"/{p}" for p in packages.run_outputs(Path(env["working_dir"]))])
+                           + [f"/{packages.gitignore_escaped(p)}" for p in packages.run_outputs(Path(env["working_dir"]))])
     return env
 
 
@@ -59,10 +59,11 @@ def upload_runtime_env(env: dict) -> dict:
         big = re.search(r"Package size \(([^)]+)\) exceeds the maximum size of (\S+?)\.?(\s|$)", str(e))
         if not big:
             raise
-        raise SpecError(f"the job's code folder {env.get('working_dir')} is {big[1]} once packed, over the "
-                        f"{big[2]} Ray ships: move data and other files that are not code out of it, or list them "
-                        f"in runtime_env.excludes (gitignore patterns) or a .gitignore there; relaytrain leaves out "
-                        f"{', '.join(RUNTIME_ENV_EXCLUDES)} and the folders of earlier runs' --out") from None
+        what = env.get("working_dir") or ", ".join(map(str, env.get("py_modules") or [])) or "folder"
+        raise SpecError(f"the job's code ({what}) is {big[1]} once packed, over the {big[2]} Ray ships: move data "
+                        f"and other files that are not code out of it, or list them in runtime_env.excludes "
+                        f"(gitignore patterns) or a .gitignore there (a spec's own folder, shipped by relaytrain, "
+                        f"leaves out {', '.join(RUNTIME_ENV_EXCLUDES)} and the folders of earlier runs' --out)") from None
     finally:  # the packages are in Ray's store now
         shutil.rmtree(scratch, ignore_errors=True)
     env.pop("excludes", None)

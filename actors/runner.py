@@ -163,9 +163,12 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
             else f"{type(e).__name__}: {e}"
         if not isinstance(e, JobFailed):
             outputs.event("cancelled" if stopped else "failed", why)
-        if store and store.set_state(job_id, JobState.CANCELLED if stopped else JobState.FAILED,
-                                     error=None if stopped else why):
-            store.add_events(job_id, [{"type": "cancelled" if stopped else "failed", "message": why}])
+        try:
+            if store and store.set_state(job_id, JobState.CANCELLED if stopped else JobState.FAILED,
+                                         error=None if stopped else why):
+                store.add_events(job_id, [{"type": "cancelled" if stopped else "failed", "message": why}])
+        except Exception as err:  # store trouble costs a warning, never the run's own error
+            print(f"relaytrain: warning: could not record the job's end in the job store: {err}", file=sys.stderr)
         raise
     finally:
         seen.close()

@@ -394,7 +394,8 @@ def check_labels(targets: torch.Tensor, output_shape: tuple, field: str) -> None
     lie in [0, classes) of the model's output: a model of 5 outputs for labels 0-9 failed at
     its first step, after the workers started, with torch's "Target 7 is out of bounds" (a
     user trial)."""
-    if targets.is_floating_point() or not output_shape or targets.numel() == 0:
+    if not isinstance(targets, torch.Tensor) or targets.is_floating_point() or not output_shape or \
+            targets.numel() == 0:
         return  # probabilities as targets: F.cross_entropy checks their shape
     classes = output_shape[-1]
     counted = targets[targets != IGNORE_INDEX]
@@ -542,8 +543,11 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     if spec.loss == "cross_entropy":
         check_labels(samples.y if samples.y is not None else y, t.metas[-1][0], samples.field)
         if ev is not None:  # its first microbatch, when it is a Dataset
-            check_labels(ev.y if ev.y is not None else ev.targets(torch.arange(spec.training.microbatch_size)),
-                         t.metas[-1][0], f"eval.{ev.field}")
+            try:
+                targets = ev.y if ev.y is not None else ev.targets(torch.arange(spec.training.microbatch_size))
+            except Exception as e:
+                raise SpecError(f"eval.data: reading a microbatch failed with {type(e).__name__}: {e}") from None
+            check_labels(targets, t.metas[-1][0], f"eval.{ev.field}")
     return dataclasses.replace(t, model_state={f"{rec.names[i]}.{k}": shape for i, layer in enumerate(t.state)
                                                for k, shape in layer.items()})
 

@@ -76,17 +76,32 @@ def _is_run_output(filenames) -> bool:
     return "metrics.jsonl" in filenames and "events.jsonl" in filenames
 
 
-def run_outputs(folder: Path) -> list[str]:
+def run_outputs(folder: Path, depth: int = 4, most: int = 5000) -> list[str]:
     """The folders under ``folder`` (relative, posix) that hold a relaytrain run's outputs: an
     earlier run's ``--out`` inside the spec's folder, whatever its name. Its model shards went
-    into every later job's package until one was over Ray's 512 MiB (a user trial)."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder):
-        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS)
-        if dirpath != str(folder) and _is_run_output(filenames):
-            found.append(Path(dirpath).relative_to(folder).as_posix())
+    into every later job's package until one was over Ray's 512 MiB (a user trial).  Symlinked
+    folders are followed, as Ray's packaging does (each real folder once); the look goes
+    ``depth`` levels down and stops after ``most`` folders (a spec beside a huge data tree)."""
+    found, seen, looked = [], set(), 0
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        real = os.path.realpath(dirpath)
+        rel = Path(dirpath).relative_to(folder)
+        looked += 1
+        if real in seen or looked > most:
+            dirnames[:] = []
+            continue
+        seen.add(real)
+        dirnames[:] = sorted(d for d in dirnames if d not in EXCLUDED_DIRS) if len(rel.parts) < depth else []
+        if rel.parts and _is_run_output(filenames):
+            found.append(rel.as_posix())
             dirnames[:] = []
     return found
+
+
+def gitignore_escaped(path: str) -> str:
+    """``path`` as a literal gitignore pattern (Ray's excludes): a folder named ``exp*`` or
+    ``run[1]`` names that folder only."""
+    return re.sub(r"([\[\]*?!#\\])", r"\\\1", path)
 
 
 def zip_folder(folder: Path) -> bytes:

@@ -463,7 +463,8 @@ def error_message(e: dict) -> str:
         return "required field is missing"
     if e.get("type") == "model_type":  # "Input should be a valid dictionary or instance of ScheduleSpec"
         got = e.get("input")
-        shown = json.dumps(got) if got is None or isinstance(got, (str, int, float, bool, list)) else type(got).__name__
+        shown = json.dumps(got, default=str) if got is None or isinstance(got, (str, int, float, bool, list)) \
+            else type(got).__name__
         shown = shown if len(shown) <= 60 else shown[:57] + "..."
         hint = f": write {{name: {got}}}" if tuple(e.get("loc") or ())[-1:] == ("schedule",) and isinstance(got, str) \
             else ""
@@ -506,7 +507,16 @@ class _SpecLoader(yaml.SafeLoader):
     a spec with ``name:`` twice ran under the second; a user trial). Keys a merge (``<<: *base``)
     brings in may be overridden, as YAML means."""
 
-    def construct_mapping(self, node, deep=False):
+    def flatten_mapping(self, node):
+        # the check sees a mapping's own keys, before a merge brings others into its node (PyYAML
+        # flattens a merge source's node in place, so a nested anchor is seen merged when built)
+        checked = self.__dict__.setdefault("_checked", set())
+        if id(node) not in checked:
+            checked.add(id(node))
+            self._no_key_twice(node)
+        super().flatten_mapping(node)
+
+    def _no_key_twice(self, node):
         if isinstance(node, yaml.MappingNode):
             seen = {}
             for key_node, _ in node.value:
@@ -521,7 +531,6 @@ class _SpecLoader(yaml.SafeLoader):
                     raise yaml.constructor.ConstructorError(
                         "while reading a mapping", node.start_mark, f"found the key {key!r} twice (first {first.start_mark.line + 1}:"
                         f"{first.start_mark.column + 1}); write each field once", key_node.start_mark)
-        return super().construct_mapping(node, deep=deep)
 
 
 _SpecLoader.yaml_implicit_resolvers = {

@@ -439,6 +439,7 @@ def test_a_spec_folder_with_earlier_runs_outputs_ships_its_code_only_and_a_run_t
         (code / old / "model" / "model-00001-of-00001.safetensors").write_bytes(b"x" * 1000)
     (code / "weights.safetensors").write_bytes(b"x" * 1000)
     assert packages.run_outputs(code) == ["out_a", "runs/b"]
+    assert packages.gitignore_escaped("run[1]") == r"run\[1\]" and packages.gitignore_escaped("exp*") == r"exp\*"
     names = zipfile.ZipFile(BytesIO(packages.zip_folder(code))).namelist()
     assert "userpkg/models.py" in names and not any(n.startswith(("out_a/", "runs/")) or n.endswith(".safetensors")
                                                     for n in names), names

@@ -477,6 +477,9 @@ def test_a_key_written_twice_in_a_yaml_spec_is_an_error_and_a_merge_may_override
     from service.spec import read_yaml
 
     assert read_yaml("base: &b {lr: 0.1, name: sgd}\nopt:\n  <<: *b\n  lr: 0.2\n")["opt"] == {"lr": 0.2, "name": "sgd"}
+    # a merge source that merges itself, anchored inside another mapping (PyYAML flattens it in place)
+    nested = read_yaml("root: &root {lr: 1, x: 2}\na: {b: &base {<<: *root, lr: 3}}\nc: {<<: *base}\n")
+    assert nested["a"]["b"] == nested["c"] == {"lr": 3, "x": 2}
 
 
 def test_eval_labels_the_model_cannot_hold_are_refused_too(tmp_path):
