@@ -190,25 +190,24 @@ def _restart_from(spec: JobSpec, root: Optional[str], used: int, seen: "_Seen", 
 
     committed = seen.committed
     reason = "the job's scheduler actor was lost (killed, out of memory, or its node went)"
-    why = f"{reason}, and its checkpoints at {root} could not be read"
-    wait_s, down_since = Settings().storage_wait_s, None
-    while True:
-        try:
-            d, newest = checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason,
-                                                    origin=origin)
-            break
-        except Exception as e:
-            now = time.monotonic()
-            if down_since is None:
-                down_since = now
-                row = {"time": time.time(), "type": "waiting", "reason": "storage",
-                       "message": f"{why} ({type(e).__name__}: {e}); trying again for up to {wait_s:g} s"}
-                _record(row, seen, outputs, store, job_id)
-                print(f"relaytrain: {row['message']}", file=sys.stderr)
-            elif now - down_since >= wait_s:
-                d = restarts.Decision(False, f"{why} for {now - down_since:.0f} s: {type(e).__name__}: {e}")
-                break
-            time.sleep(min(5.0, max(0.5, wait_s / 20)))
+    wait_s = Settings().storage_wait_s
+
+    def said(message: str) -> None:
+        _record({"time": time.time(), "type": "waiting", "reason": "storage", "message": message}, seen, outputs,
+                store, job_id)
+        print(f"relaytrain: {message}", file=sys.stderr)
+
+    def pause() -> bool:
+        time.sleep(min(5.0, max(0.5, wait_s / 20)))
+        return True
+
+    try:
+        _, (d, newest) = restarts.read_waiting(
+            lambda: checkpoint.restart_decision(spec, root, job_id, used=used, committed=committed, reason=reason,
+                                                origin=origin),
+            why=f"{reason}, and its checkpoints at {root} could not be read", wait_s=wait_s, said=said, pause=pause)
+    except restarts.StorageUnreadable as e:
+        d, newest = restarts.Decision(False, str(e)), None
     if not d.restart:
         if store:
             store.set_state(job_id, JobState.FAILED, error=d.message)

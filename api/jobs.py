@@ -68,7 +68,6 @@ class JobManager:
         self.cluster = ClusterScheduler(settings, store, weights or {}, admit=self._admit)
         self.models = FinalModel(self.get, store)  # a SUCCEEDED job's model, for download
         self._stop = threading.Event()
-        self._storage_down: dict[str, float] = {}  # job -> when its checkpoints first could not be read
         self._lost_lock = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self._starting: set[str] = set()  # jobs whose scheduler actor is being created
@@ -253,7 +252,7 @@ class JobManager:
 
         def later():  # its checkpoint was complete before it went back to the queue
             root, origin = self.checkpoint_root(job), self._origin(job["id"])
-            read, newest = self._read_waiting(job["id"], root, "its checkpoints could not be read to resume it",
+            read, newest = self._read_waiting(job["id"], "its checkpoints could not be read to resume it",
                                               lambda: checkpoint.newest_or_origin(root, job["id"], origin))
             if not read:
                 self._starting.discard(job["id"])
@@ -328,46 +327,25 @@ class JobManager:
                 except Exception:  # ended or lost meanwhile: its restart reads the event
                     pass
 
-    def _read_waiting(self, job_id: str, root, why: str, read):
+    def _read_waiting(self, job_id: str, why: str, read):
         """``read()`` of a job's checkpoint storage, tried again while the storage does not answer
-        (``_storage_waits``): ``(True, what it returned)``, or ``(False, None)`` when the job is
-        left: failed past the wait (saying why), ended meanwhile, or this server stops (the next
-        one's reconcile takes it up)."""
-        while True:
-            try:
-                value = read()
-            except Exception as e:
-                if not self._storage_waits(job_id, root, e, why):
-                    self._fail(job_id, self._storage_failure(job_id, why, e))
-                    return False, None
-                now = self.store.get_job(job_id)
-                if self._stop.wait(self.settings.reconcile_seconds) or now is None or \
-                        JobState(now["state"]).is_terminal:
-                    return False, None
-                continue
-            self._storage_down.pop(job_id, None)
-            return True, value
+        (``restarts.read_waiting``, for ``storage_wait_s``; a ``waiting`` event says so):
+        ``(True, what it returned)``, or ``(False, None)`` when the job is left: failed past the
+        wait (saying why), ended meanwhile, or this server stops (the next one's reconcile takes
+        it up)."""
+        def said(message: str) -> None:
+            self.store.add_events(job_id, [{"type": "waiting", "message": message, "reason": "storage"}])
 
-    def _storage_waits(self, job_id: str, root, e: BaseException, why: str) -> bool:
-        """The storage of a job that restarts or resumes did not answer (``e``): wait for it and
-        try again (True) until ``storage_wait_s`` has passed since it first failed, saying so
-        once in a ``waiting`` event (an S3 endpoint down for a minute failed the job at once
-        while it had restarts left; found by a user trial)."""
-        now = time.time()
-        since = self._storage_down.setdefault(job_id, now)
-        if now - since >= self.settings.storage_wait_s:
-            return False
-        if since == now:
-            self.store.add_events(job_id, [{
-                "type": "waiting", "message": f"{why} ({type(e).__name__}: {e}); trying again for up to "
-                f"{self.settings.storage_wait_s:g} s",
-                "reason": "storage"}])
-        return True
+        def pause() -> bool:
+            now = self.store.get_job(job_id)
+            return not (self._stop.wait(self.settings.reconcile_seconds) or now is None
+                        or JobState(now["state"]).is_terminal)
 
-    def _storage_failure(self, job_id: str, why: str, e: BaseException) -> str:
-        since = self._storage_down.pop(job_id, time.time())
-        waited = time.time() - since
-        return f"{why}{f' for {waited:.0f} s' if waited >= 1 else ''}: {type(e).__name__}: {e}"
+        try:
+            return restarts.read_waiting(read, why=why, wait_s=self.settings.storage_wait_s, said=said, pause=pause)
+        except restarts.StorageUnreadable as e:
+            self._fail(job_id, str(e))
+            return False, None
 
     def _fail(self, job_id: str, reason: str) -> None:
         if self.store.set_state(job_id, JobState.FAILED, error=reason):
@@ -535,7 +513,7 @@ class JobManager:
             cancelling = any(e["type"] == "cancel_requested" for e in past)
             root, origin = self.checkpoint_root(job), self._origin(job_id)
             read, decided = self._read_waiting(
-                job_id, root, f"{self.LOST}, and its checkpoints at {root} could not be read",
+                job_id, f"{self.LOST}, and its checkpoints at {root} could not be read",
                 lambda: checkpoint.restart_decision(spec, root, job_id, used=used, committed=job["step"],
                                                     reason=self.LOST, cancelling=cancelling, origin=origin))
             if not read:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from service.spec import JobSpec, SpecError
 
@@ -90,6 +91,37 @@ def decide(spec: JobSpec, *, used: int, committed: int, newest_step: Optional[in
                           f"({runs} again)",
                     {"reason": reason, "restart": used + 1, "restarts_max": most, "from_step": newest_step,
                      "rerun_steps": rerun})
+
+
+class StorageUnreadable(Exception):
+    """A job's checkpoint storage did not answer for the whole wait; ``str()`` says so."""
+
+
+def read_waiting(read: Callable[[], Any], *, why: str, wait_s: float, said: Callable[[str], None],
+                 pause: Callable[[], bool]) -> tuple[bool, Any]:
+    """``read()`` of a job's checkpoint storage, tried again while it raises, for ``wait_s``
+    seconds from its first failure (an S3 endpoint down for a minute failed a job at once that
+    had restarts left: a user trial): ``said(message)`` once at the first failure (a ``waiting``
+    event), ``pause()`` between tries (False: stop trying).  Returns ``(True, what read
+    returned)``, or ``(False, None)`` when ``pause`` stopped it; raises
+    :class:`StorageUnreadable`, saying how long it waited, past the wait.  The control plane's
+    restarts and resumes and ``relaytrain run``'s restart share it."""
+    since = None
+    while True:
+        try:
+            return True, read()
+        except Exception as e:
+            now = time.monotonic()
+            first = since is None
+            since = now if first else since
+            waited = now - since
+            if waited >= wait_s:
+                raise StorageUnreadable(f"{why}{f' for {waited:.0f} s' if waited >= 1 else ''}: "
+                                        f"{type(e).__name__}: {e}") from None
+            if first:
+                said(f"{why} ({type(e).__name__}: {e}); trying again for up to {wait_s:g} s")
+            if not pause():
+                return False, None
 
 
 def check_storage(root: Optional[str]) -> None:

@@ -77,6 +77,26 @@ def test_a_job_goes_back_to_the_checkpoint_it_started_from_while_it_has_none_of_
     assert not d.restart and newest is None and "no complete checkpoint" in d.message
 
 
+def test_a_storage_read_is_tried_again_for_the_wait_then_said_to_fail():
+    """The one wait the control plane's restarts and `relaytrain run`'s share (restarts.read_waiting)."""
+    tries, said = [], []
+
+    def read():
+        tries.append(1)
+        if len(tries) < 3:
+            raise ConnectionError("refused")
+        return "step-6"
+
+    assert restarts.read_waiting(read, why="its checkpoints could not be read", wait_s=60, said=said.append,
+                                 pause=lambda: True) == (True, "step-6")
+    assert said == ["its checkpoints could not be read (ConnectionError: refused); trying again for up to 60 s"]
+    assert restarts.read_waiting(lambda: 1 / 0, why="w", wait_s=60, said=said.append,
+                                 pause=lambda: False) == (False, None)  # the job ended meanwhile
+    with pytest.raises(restarts.StorageUnreadable, match=r"^w for [1-9]\d* s: ZeroDivisionError: division by zero$"):
+        restarts.read_waiting(lambda: 1 / 0, why="w", wait_s=1.0, said=said.append,
+                              pause=lambda: time.sleep(0.3) is None)
+
+
 def test_checkpoint_roots(tmp_path):
     spec = parse_spec(spec_dict("d", 10, "s3://bucket/runs/"))
     assert restarts.checkpoint_root(spec) == "s3://bucket/runs"
