@@ -182,6 +182,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
         manager.stop_background()
 
     app = FastAPI(title="relaytrain", version="0.1.0", lifespan=lifespan,
+                  docs_url=None, redoc_url=None,  # served by ui.mount from this server, not a CDN
                   description="Elastic data x pipeline parallel training on Ray. Send "
                               "'Authorization: Bearer <token>' on every /v1 call.")
     app.state.manager, app.state.auth, app.state.settings = manager, auth, settings

@@ -420,6 +420,45 @@ def test_web_page_shows_eval_loss_lr_grad_norm_and_eval_forwards(server):
             browser.close()
 
 
+def test_the_api_pages_render_from_this_server_alone(server):
+    """/docs (Swagger UI) and /redoc render the API's operations with every other host refused:
+    FastAPI's defaults load their script and style from cdn.jsdelivr.net, and on a cluster with
+    no internet /docs was a blank page.  (ReDoc's footer still asks cdn.redoc.ly for its logo,
+    an image: refused, nothing else changes, when the page gets that far before the test ends.)"""
+    sync_api = pytest.importorskip("playwright.sync_api", reason="!!! THE API PAGES WERE NOT TESTED: the playwright "
+                                   "package is missing (pip install -e '.[test]') !!!")
+    here = server.url.split("//", 1)[1]
+    with sync_api.sync_playwright() as p:
+        browser = launch_chromium(p)
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(30_000)
+            asked: list[tuple[str, str]] = []
+            errors: list[str] = []
+            page.on("pageerror", lambda e: errors.append(str(e)))
+
+            def only_this_server(route):
+                asked.append((route.request.resource_type, route.request.url))
+                if route.request.url.split("//", 1)[-1].startswith(here):
+                    route.continue_()
+                else:
+                    route.abort()
+
+            page.route("**/*", only_this_server)
+            page.goto(server.url + "/docs")
+            # Swagger UI 5 lists the operations of the OpenAPI 3.1 document, grouped by tag
+            page.locator('.opblock-summary-path[data-path="/v1/jobs/{job_id}"]').first.wait_for()
+            assert page.locator(".opblock").count() >= 10
+            assert "relaytrain" in page.locator(".info .title").inner_text()
+            page.goto(server.url + "/redoc")
+            page.get_by_text("/v1/jobs/{job_id}/cancel").first.wait_for(state="attached")
+            elsewhere = [(kind, u) for kind, u in asked if not u.split("//", 1)[-1].startswith(here)]
+            assert set(elsewhere) <= {("image", "https://cdn.redoc.ly/redoc/logo-mini.svg")}, elsewhere
+            assert not errors, errors
+        finally:
+            browser.close()
+
+
 def test_web_page_says_what_an_admitted_job_waits_for(server):
     """A job admitted while work outside relaytrain holds the cluster's CPUs (here a placement
     group of the test) waits for its placement: the job page's Waiting fact says for what, as
