@@ -11,7 +11,11 @@ One checkpoint is written at a time, so a worker holds at most one extra copy of
 checkpoint due while the previous one is still being written is taken at the first step
 boundary after that one ends (the event says which step asked for it).  A checkpoint that
 could not be written is a ``checkpoint_failed`` event and training goes on; after
-``checkpoint.max_failures`` failures in a row the job fails, saying why.
+``checkpoint.max_failures`` failures in a row, failing for ``checkpoint.fail_after_s`` since the
+first of them, the job fails, saying why (a job writing a checkpoint every few seconds failed
+after 37 s of storage outage, its restarts unused: a user trial).  A checkpoint still being
+written after ``checkpoint.slow_after_s`` says so once (``checkpoint_slow``): a storage that hangs
+rather than refuses said nothing for minutes.
 """
 from __future__ import annotations
 
@@ -39,7 +43,10 @@ class CheckpointWriter:
         self.group, self.root, self.record, self.meta, self.timeout = group, root, record, meta, timeout
         c = spec.checkpoint
         self.every, self.keep, self.max_failures, self.last = c.every_steps, c.keep, c.max_failures, spec.training.steps
+        self.fail_after_s, self.slow_after_s = c.fail_after_s, c.slow_after_s
         self.failures = 0                   # in a row
+        self.failing_since: Optional[float] = None  # the first failure in a row (``clock``)
+        self.clock = time.monotonic
         self.owed: Optional[int] = None     # the step that asked for a checkpoint while one was being written
         self.flight: Optional[dict] = None  # the checkpoint being written: step, folder, refs, times
         self.known: Optional[set[int]] = None  # steps with a folder on the storage (read once)
@@ -81,7 +88,7 @@ class CheckpointWriter:
 
     def _start(self, step: int, asked: int) -> None:
         g = self.group
-        t0 = time.monotonic()
+        t0 = self.clock()
         try:
             if self.known is None:  # step folders already there (a restart's): cleaned before reuse
                 self.known = self._scan.result(timeout=self.timeout)
@@ -96,7 +103,7 @@ class CheckpointWriter:
             self._failed(step, e)
             return
         self.flight = {"step": step, "asked": asked, "folder": folder, "refs": refs, "t0": t0,
-                       "pause_s": time.monotonic() - t0}
+                       "pause_s": self.clock() - t0}
 
     def poll(self, block: bool = False, lost: Optional[str] = None) -> None:
         """Once every part of the checkpoint being written is, write its manifest (and delete
@@ -109,6 +116,7 @@ class CheckpointWriter:
         if "done" not in f:
             ready, _ = ray.wait(f["refs"], num_returns=len(f["refs"]), timeout=self.timeout if block else 0)
             if len(ready) < len(f["refs"]) and not block:
+                self._say_if_slow(f)
                 return
             f["done"] = self._finisher.submit(self._complete, f, len(ready) == len(f["refs"]))
         if not (block or f["done"].done()):
@@ -121,7 +129,19 @@ class CheckpointWriter:
         elif error is not None:
             self._failed(f["step"], error)
         else:
-            self.failures = 0
+            self.failures, self.failing_since = 0, None
+
+    def _say_if_slow(self, f: dict) -> None:
+        took = self.clock() - f["t0"]
+        if took < self.slow_after_s or f.get("slow_said"):
+            return
+        f["slow_said"] = True
+        newest = f"step {self.written[0]}" if self.written else "none yet"
+        self.record.event("checkpoint_slow", f"checkpoint of step {f['step']} is still being written after {took:.0f} s "
+                                             f"(checkpoint.slow_after_s is {self.slow_after_s:g}): the storage at "
+                                             f"{self.root} is slow or does not answer; training goes on, and the "
+                                             f"newest complete checkpoint is {newest}",
+                          step=f["step"], seconds=round(took, 1))
 
     def _complete(self, f: dict, written: bool) -> None:
         """Check the parts, write the manifest last, and say so (a ``checkpoint`` event)."""
@@ -145,16 +165,22 @@ class CheckpointWriter:
             self.record.event("checkpoint_failed", f"checkpoint of step {step} not completed: a worker was lost "
                               f"while it was written ({_reason(e)})", step=step, reason=_reason(e))
             return
+        now = self.clock()
         self.failures += 1
+        self.failing_since = self.failing_since if self.failing_since is not None else now
+        failing_s = now - self.failing_since
         reason = _reason(e)
-        goes_on = ("training goes on" if self.failures < self.max_failures
-                   else "the job stops: checkpoint.max_failures is reached")
-        self.record.event("checkpoint_failed", f"checkpoint of step {step} failed ({self.failures} in a row, "
-                                               f"the job fails at {self.max_failures}): {reason}; {goes_on}",
-                          step=step, failures=self.failures, reason=reason)
-        if self.failures >= self.max_failures:
-            raise JobFailure(f"{self.failures} checkpoints in a row could not be written to {self.root} "
-                             f"(checkpoint.max_failures is {self.max_failures}); the last: {reason}")
+        stops = self.failures >= self.max_failures and failing_s >= self.fail_after_s
+        goes_on = "the job stops: checkpoint.max_failures is reached" if stops else "training goes on"
+        over = f" over {failing_s:.0f} s" if self.failures > 1 else ""
+        limit = f" and {self.fail_after_s:g} s" if self.fail_after_s else ""
+        self.record.event("checkpoint_failed", f"checkpoint of step {step} failed ({self.failures} in a row{over}, "
+                                               f"the job fails at {self.max_failures}{limit}): {reason}; {goes_on}",
+                          step=step, failures=self.failures, failing_s=round(failing_s, 1), reason=reason)
+        if stops:
+            raise JobFailure(f"{self.failures} checkpoints in a row could not be written to {self.root} over "
+                             f"{failing_s:.0f} s (checkpoint.max_failures is {self.max_failures}, "
+                             f"checkpoint.fail_after_s {self.fail_after_s:g}); the last: {reason}")
 
 
 def checkpoint_due(root, every: int, last: int, committed: int) -> bool:

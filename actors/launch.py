@@ -207,19 +207,25 @@ def release_placement_group(job_id: str) -> None:
                 pass
 
 
-def stop(sched, job_id: str, grace: float = 10.0) -> None:
-    """Stop the job's actors: ask the scheduler to stop at the next step boundary (it then
-    releases its workers and their placement group), and kill whatever is left."""
+def stop_at_boundary(sched, grace: float = 10.0) -> None:
+    """Ask the scheduler to stop at the next step boundary (it then releases its workers and
+    their placement group) and wait up to ``grace`` s for it to end; raises when it does not
+    answer."""
     import time
 
+    if ray.get(sched.poll.remote(), timeout=5)["state"] not in TERMINAL:
+        ray.get(sched.cancel.remote(), timeout=5)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline:
+            if ray.get(sched.poll.remote(), timeout=5)["state"] in TERMINAL:
+                break
+            time.sleep(0.2)
+
+
+def stop(sched, job_id: str, grace: float = 10.0) -> None:
+    """Stop the job's actors: :func:`stop_at_boundary`, then kill whatever is left."""
     try:
-        if ray.get(sched.poll.remote(), timeout=5)["state"] not in TERMINAL:
-            ray.get(sched.cancel.remote(), timeout=5)
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline:
-                if ray.get(sched.poll.remote(), timeout=5)["state"] in TERMINAL:
-                    break
-                time.sleep(0.2)
+        stop_at_boundary(sched, grace)
     except Exception:
         pass
     try:

@@ -43,11 +43,17 @@ class _Outputs:
         out.mkdir(parents=True, exist_ok=True)
         self.out = out
         mode = "a" if append else "w"
+        # a resumed run's steps up to the newest the file holds are run again: their rows say so
+        # ("rerun": true, as a restart's are), beside the first run's (a user trial found two
+        # unmarked rows of steps 16 and 17 after a --resume from step 15's checkpoint)
+        self.rerun_through = _newest_step(out / "metrics.jsonl") if append else 0
         self.metrics = open(out / "metrics.jsonl", mode)
         self.events = open(out / "events.jsonl", mode)
 
     def write(self, f, rows: list[dict]) -> None:
         for r in rows:
+            if f is self.metrics and r.get("step", 0) <= self.rerun_through and not r.get("rerun"):
+                r = {**r, "rerun": True}
             f.write(json.dumps(r) + "\n")
         if rows:
             f.flush()
@@ -71,6 +77,21 @@ class _Outputs:
     def close(self) -> None:
         self.metrics.close()
         self.events.close()
+
+
+def _newest_step(path: Path) -> int:
+    """The highest step of a metrics.jsonl (0: none, or no file)."""
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return 0
+    steps = []
+    for ln in lines:
+        try:
+            steps.append(int(json.loads(ln)["step"]))
+        except (ValueError, KeyError, TypeError):  # a torn last line of a run that was killed
+            continue
+    return max(steps, default=0)
 
 
 def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional[JobSpec] = None,
@@ -134,6 +155,7 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
                 checkpoint_root=ckpt_root, resume=resume_path, timeout=timeout,
                 store_url=store.url if store else None, model_dir=str(model_dir), rerun_through=rerun_through,
                 traced=traced, restarts_used=used + seen.restarts, finish_asked=seen.finishing)
+            seen.cursor = (0, 0)  # this scheduler's rows and events copied so far
             try:
                 with _Interrupts(seen):
                     final = _follow(sched, sched.run.remote(), outputs, seen)
@@ -159,6 +181,8 @@ def run_job(spec_path: Optional[str] = None, out: str = "out", *, spec: Optional
         # server's reconcile later failed it as "the job's scheduler actor was lost": a user trial);
         # a row the scheduler ended keeps its end
         stopped = isinstance(e, KeyboardInterrupt)
+        if stopped and sched is not None:  # the steps it committed since the last poll: in the files too
+            _drain(sched, job_id, outputs, seen)
         why = "stopped with Ctrl-C" if stopped else str(e) if isinstance(e, (JobFailed, SpecError)) \
             else f"{type(e).__name__}: {e}"
         if not isinstance(e, JobFailed):
@@ -254,6 +278,7 @@ class _Seen:
         self.ours: list[dict] = []    # this command's own (a restart of a lost scheduler)
         self.metrics: list[dict] = []
         self.committed = 0   # the most steps ever committed
+        self.cursor = (0, 0)  # the current scheduler's metrics rows and events copied to the files
         self.finishing: Optional[str] = None  # who asked the job to finish early (a first Ctrl-C)
         self.bar = None
         if progress:
@@ -311,12 +336,29 @@ class _Interrupts:
             signal.signal(signal.SIGINT, self.before)
 
 
+def _drain(sched, job_id: str, outputs: _Outputs, seen: _Seen) -> None:
+    """A stopped run's last rows: the scheduler is stopped at its step boundary (``launch.stop``
+    would do it next), then what it committed since the last poll goes to the files.  A second
+    Ctrl-C left steps the job store holds out of metrics.jsonl (a user trial: 17 rows in the
+    file, 19 in the store).  Best effort: a scheduler that does not answer is killed as before."""
+    import ray
+
+    try:
+        launch.stop_at_boundary(sched)
+        snap = ray.get(sched.poll.remote(*seen.cursor), timeout=5)
+    except Exception:
+        return
+    outputs.write(outputs.metrics, snap["metrics"])
+    outputs.write(outputs.events, snap["events"])
+    seen.add(snap)
+
+
 def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
     """Copy the scheduler's new metrics and events to the files until it ends; raises Ray's
     actor error when the scheduler is lost."""
     import ray
 
-    m_seen = e_seen = 0
+    m_seen, e_seen = seen.cursor
     unavailable_since = None
     told = bool(seen.finishing)  # a restarted scheduler was told when it was started
     while True:
@@ -343,6 +385,7 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
         seen.add(snap)
         m_seen += len(snap["metrics"])
         e_seen += len(snap["events"])
+        seen.cursor = (m_seen, e_seen)
         if finished:
             final = ray.get(done_ref)  # the report, with the newest steps' timelines
             end = final.get("step") or 0

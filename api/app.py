@@ -217,6 +217,20 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     async def job_error(_request: Request, exc: JobError):
         return JSONResponse({"detail": exc.message}, status_code=exc.status)
 
+    from sqlalchemy.exc import DBAPIError, TimeoutError as PoolTimeout
+
+    @app.exception_handler(DBAPIError)
+    @app.exception_handler(PoolTimeout)
+    async def store_down(_request: Request, exc: Exception):
+        """The job store does not answer (PostgreSQL stopped, SQLite's disk gone): a 503 a client
+        retries, saying so, not a bare 500 "Internal Server Error" (a user trial); the jobs train
+        on meanwhile.  Only the error's first line: no statement, parameters or password."""
+        first = next((ln.strip() for ln in str(getattr(exc, "orig", None) or exc).splitlines() if ln.strip()), "")
+        kind = type(getattr(exc, "orig", None) or exc).__name__
+        return JSONResponse({"detail": f"the job store does not answer ({kind}: {first[:300]}); the jobs train on, "
+                                       "try again shortly (GET /readyz says when it is back)"},
+                            status_code=503, headers={"Retry-After": "5"})
+
     @app.exception_handler(RequestValidationError)
     async def invalid_request(_request: Request, exc: RequestValidationError):
         """FastAPI's 422, whatever the body held: a NaN or an infinity it echoes is written as

@@ -10,6 +10,7 @@ import dataclasses
 import hashlib
 import importlib
 import inspect
+import os
 import sys
 import traceback
 from collections import OrderedDict
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -291,11 +293,20 @@ class Samples:
 
     def __init__(self, data: Any, field: str = "data.builder"):
         self.field = field
-        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
-            x, y = data
+        arrays = (torch.Tensor, np.ndarray)
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, arrays) for t in data):
+            x, y = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in data)  # numpy's dtype kept
             if len(x) != len(y):
                 raise SpecError(f"{field}: X has {len(x)} samples but Y has {len(y)}; they must match")
             self.x, self.y, self.dataset = x, y, None
+        elif isinstance(data, dict):  # a dict has __getitem__ and __len__: it was taken for a Dataset of 2
+            raise SpecError(f"{field} returned a dict (keys {sorted(map(str, data))[:8]}), not (X, Y): return two "
+                            "tensors of the same length, such as (d['x'], d['y']), or a map-style Dataset of (x, y) "
+                            "pairs")
+        elif isinstance(data, tuple) and data and all(isinstance(t, arrays) for t in data):
+            raise SpecError(f"{field} returned a tuple of {len(data)} tensors, not (X, Y): return the inputs the "
+                            "first layer takes and the loss's targets, two tensors of the same length (a pipeline "
+                            "passes one tensor from layer to layer: stack further inputs into X)")
         elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
             self.x = self.y = None
             self.dataset = data
@@ -333,11 +344,19 @@ class Samples:
         if items and not (isinstance(first, (tuple, list)) and len(first) == 2):
             what = (f"a dict with keys {sorted(map(str, first))[:8]}" if isinstance(first, dict) else
                     f"a {type(first).__name__} of {len(first)}" if isinstance(first, (tuple, list)) else
-                    f"a {type(first).__name__}")
+                    ("an " if type(first).__name__[0] in "aeiou" else "a ") + type(first).__name__)
             raise SpecError(f"{self.field}: the Dataset's item {int(idx[0])} is {what}, not an (x, y) pair: return "
                             "(x, y) from __getitem__, x what the first layer takes and y the loss's target (for a "
                             "dict of input_ids and labels: (item['input_ids'], item['labels']))")
-        x, y = default_collate(items)
+        try:
+            x, y = default_collate(items)
+        except RuntimeError as e:
+            if "stack expects each tensor to be equal size" not in str(e):
+                raise
+            raise SpecError(f"{self.field}: the samples of one microbatch have different shapes ({e}): a microbatch "
+                            "stacks its samples into one tensor, so give every x, and every y, one shape (pad "
+                            "sequences to one length in __getitem__; under cross_entropy, targets of -100 are left "
+                            "out of the loss)") from None
         for name, t in (("x", x), ("y", y)):
             if not isinstance(t, torch.Tensor):
                 raise SpecError(f"{self.field}: the Dataset's {name} is a {type(first[0 if name == 'x' else 1]).__name__}, "
@@ -353,6 +372,8 @@ def build_data(spec: JobSpec, search: Sequence[str] = ()) -> Samples:
     field = "data.builder" if d.builder else f"data.kind={d.kind}"
     args = {**d.args, "search": list(search)} if d.kind == "tokens" else d.args  # a relative path: the spec's folder
     samples = Samples(_call_builder(fn, args, field), field)
+    if samples.dataset is not None and len(samples) and not callable(getattr(samples.dataset, "inputs", None)):
+        read_samples(samples, torch.tensor([0]), field)  # an item that is no (x, y) pair says so, whatever the length
     n, b = len(samples), spec.training.global_batch_size
     if n < b:
         raise SpecError(f"{field} gave {n} samples, fewer than training.global_batch_size ({b}); "
@@ -516,12 +537,31 @@ def first_microbatch(spec: JobSpec, samples: Samples) -> tuple[torch.Tensor, tor
 
     t = spec.training
     idx = step_indices(0, len(samples), t.global_batch_size, t.seed, t.shuffle)[: t.microbatch_size]
+    return read_samples(samples, idx, "data")
+
+
+def read_samples(samples: Samples, idx: torch.Tensor, field: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``samples.batch(idx)``; what the user's Dataset raises is one sentence naming where."""
     try:
         return samples.batch(idx)
     except SpecError:
         raise
     except Exception as e:
-        raise SpecError(f"data: reading a microbatch failed with {type(e).__name__}: {e}") from None
+        raise SpecError(f"{field}: reading a microbatch failed with {type(e).__name__}: {e}{raised_at(e)}") from None
+
+
+_OURS = (str(Path(__file__).resolve().parent.parent / "service") + os.sep,
+         str(Path(torch.__file__).resolve().parent) + os.sep)
+
+
+def raised_at(e: BaseException) -> str:
+    """`` (raised at FILE, line N, in FUNC)``: the innermost frame of the user's code in ``e``'s
+    traceback (its Dataset's __getitem__ had only its message: a user trial); "" when none."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_OURS)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f" (raised at {f.filename}, line {f.lineno}, in {f.name})"
 
 
 def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
@@ -536,7 +576,7 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
     if not spec.resources.gpus_per_worker:  # GPU workers check their own device (actors/worker.py)
         check_precision(spec, gpus=False)
     samples = build_data(spec, search)
-    ev = check_eval_data(spec, search) if spec.eval is not None else None
+    ev = check_eval_data(spec, search, samples) if spec.eval is not None else None
     x, y = first_microbatch(spec, samples)
     t = tracing.trace(lambda device: rec.build(range(rec.count), device), rec.count, x, y,
                       build_loss(spec, search), bf16=spec.training.precision == "bf16")
@@ -546,7 +586,8 @@ def preflight(spec: JobSpec, search: Sequence[str] = ()) -> tracing.Trace:
             try:
                 targets = ev.y if ev.y is not None else ev.targets(torch.arange(spec.training.microbatch_size))
             except Exception as e:
-                raise SpecError(f"eval.data: reading a microbatch failed with {type(e).__name__}: {e}") from None
+                raise SpecError(f"eval.data: reading a microbatch failed with {type(e).__name__}: {e}"
+                                f"{raised_at(e)}") from None
             check_labels(targets, t.metas[-1][0], f"eval.{ev.field}")
     return dataclasses.replace(t, model_state={f"{rec.names[i]}.{k}": shape for i, layer in enumerate(t.state)
                                                for k, shape in layer.items()})
@@ -585,9 +626,10 @@ def check_tensor_plans(rec: "ModelRecipe", tp: int) -> None:
                         "'mlp.proj': 'rowwise'}), or set tp 1")
 
 
-def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> "Samples":
+def check_eval_data(spec: JobSpec, search: Sequence[str] = (), train: Optional[Samples] = None) -> "Samples":
     """The eval data builds, holds eval.batches x B samples, and gives samples shaped like the
-    training data's (the pipeline's boundaries are traced from those); returns it."""
+    training data's (``train``, built again when not given: the pipeline's boundaries are traced
+    from those); returns it."""
     try:
         ev = build_data(spec.model_copy(update={"data": spec.eval.data}), search)
     except SpecError as e:
@@ -597,7 +639,7 @@ def check_eval_data(spec: JobSpec, search: Sequence[str] = ()) -> "Samples":
         raise SpecError(f"eval.data gives {len(ev)} samples, fewer than eval.batches x training.global_batch_size "
                         f"({spec.eval.batches} x {spec.training.global_batch_size} = {need}); lower eval.batches or "
                         "give more eval data")
-    train = build_data(spec, search)
+    train = train if train is not None else build_data(spec, search)
     a, b = ev.inputs(torch.arange(1)), train.inputs(torch.arange(1))
     if (tuple(a.shape[1:]), a.dtype) != (tuple(b.shape[1:]), b.dtype):
         raise SpecError(f"eval.data's inputs are {tuple(a.shape[1:])} {a.dtype} per sample, the training data's "

@@ -318,7 +318,16 @@ class CheckpointSpec(_Strict):
     keep: StrictInt = Field(3, ge=1, description="how many recent checkpoints to keep (older ones are deleted, on the "
                                            "storage too)")
     max_failures: StrictInt = Field(3, ge=1, description="fail the job when this many checkpoints in a row could not be "
-                                                   "written (each failure is a checkpoint_failed event)")
+                                                   "written (each failure is a checkpoint_failed event) and they "
+                                                   "have been failing for fail_after_s")
+    fail_after_s: float = Field(300.0, ge=0, allow_inf_nan=False,
+                                description="how long checkpoints must have been failing, from the first failure in a "
+                                            "row, before max_failures fails the job: a storage outage of a minute "
+                                            "does not end a job that writes a checkpoint every few seconds (0: "
+                                            "max_failures alone)")
+    slow_after_s: float = Field(120.0, gt=0, allow_inf_nan=False,
+                                description="a checkpoint still being written after this long says so (a "
+                                            "checkpoint_slow event, once): storage that hangs rather than refuses")
 
     @field_validator("path")
     @classmethod

@@ -184,6 +184,8 @@ def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torc
     try:
         with torch.device("meta"):  # tensors a layer makes itself (torch.arange(T)) are meta too
             return _run(metas, count, x.to("meta"), y.to("meta"), loss, on_meta=True)
+    except _Certain as e:
+        raise SpecError(str(e)) from None
     except _UserError as e:
         meta_error = e
     except Exception as e:  # a failure of the meta device itself, not of the user's code
@@ -200,6 +202,17 @@ def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torc
 
 class _UserError(Exception):
     pass
+
+
+class _Certain(_UserError):
+    """A failure on meta the real kernels would have too: no run for real to try."""
+
+
+class _MixedDtypes(RuntimeError):
+    """Named RuntimeError in messages, as the real kernels' errors are."""
+
+
+_MixedDtypes.__name__ = "RuntimeError"
 
 
 def _param_bytes(layer: nn.Module) -> int:
@@ -240,6 +253,51 @@ class _Recorder:
         return self.inner.load(key)
 
 
+class _SameDtypes:
+    """On the meta device, the products and norms run whatever their operands' dtypes: a float64
+    microbatch (numpy's default) into a float32 ``nn.Linear`` passed the trace and failed on every
+    worker at step 1 (a user trial).  This mode makes them refuse, as their CPU and CUDA kernels
+    do; a norm may take a bf16 or fp16 input with float32 parameters, as those kernels allow.
+    (Convolutions, RNNs and PReLU check on meta already.)"""
+
+    _mode = None  # the mode's class, made once (torch's dispatch modules are imported only for a trace)
+
+    def __new__(cls):
+        if cls._mode is None:
+            cls._mode = cls._make()
+        return cls._mode()
+
+    @staticmethod
+    def _make():
+        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.utils._pytree import tree_leaves
+
+        aten = torch.ops.aten
+        products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv, aten.dot}
+        norms = {aten.native_layer_norm, aten.native_group_norm, aten.native_batch_norm,
+                 aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training}
+        low = {torch.bfloat16, torch.float16}
+
+        class Mode(TorchDispatchMode):
+            @classmethod
+            def _should_skip_dynamo(cls) -> bool:  # else its dispatch is wrapped in torch._disable_dynamo,
+                return False  # whose first call imports torch._dynamo (32-88 MiB, seconds of CPU; service/lazydynamo.py)
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                packet = func.overloadpacket
+                if packet in products or packet in norms:
+                    dtypes = [a.dtype for a in tree_leaves((args, kwargs or {}))
+                              if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                    if len(set(dtypes)) > 1 and not (packet in norms and dtypes[0] in low
+                                                     and set(dtypes[1:]) <= {torch.float32, dtypes[0]}):
+                        names = ", ".join(dtype_name(d) for d in dict.fromkeys(dtypes))
+                        raise _MixedDtypes(f"{packet.__name__} of tensors of different dtypes ({names}): PyTorch's "
+                                           "kernels need them to be the same")
+                return func(*args, **(kwargs or {}))
+
+        return Mode
+
+
 def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
     from relaytrain import skip
 
@@ -272,7 +330,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
 
     h = x
-    with torch.enable_grad():  # what autograd saves is what a microbatch in flight holds
+    with torch.enable_grad(), (_SameDtypes() if on_meta else contextlib.nullcontext()):  # what autograd saves is what a microbatch in flight holds
         for i in range(count):
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])
@@ -290,13 +348,23 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                     hint = ("; a pipeline calls each layer with one tensor, the output of the layer before: wrap a "
                             "layer that takes more (nn.MultiheadAttention takes query, key and value) in a module "
                             "whose forward(x) calls it and returns one tensor")
+                elif (wanted := _float_dtypes(layers[i])) and inp.is_floating_point() and inp.dtype not in wanted:
+                    want = next(iter(wanted))
+                    cast = ("X.float(), or torch.as_tensor(a, dtype=torch.float32) of a numpy array, float64 by "
+                            "default" if want == torch.float32 else f"X.to(torch.{dtype_name(want)})")
+                    hint = (f"; the layer's parameters are {'/'.join(dtype_name(d) for d in wanted)} and its input "
+                            f"{dtype_name(inp.dtype)}: " + (
+                                f"have the data builder return {dtype_name(want)} inputs ({cast}), or build the "
+                                "model in the data's dtype" if i == 0 else
+                                "cast the input in this layer's forward or the output of the layer before"))
                 elif more := _other_arguments(layers[i]):
                     hint = (f"; a pipeline calls each layer with one tensor (the output of the layer before) and "
                             f"nothing for its other arguments ({', '.join(more)}): if it needs them (a transformers "
                             "block needs position_embeddings or an attention mask), wrap it in a module whose "
                             "forward(x) makes them and calls it")
                 given = "" if i == 0 else f", given an input of shape {tuple(inp.shape)} {inp.dtype},"
-                raise _UserError(f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
+                raise (_Certain if isinstance(e, _MixedDtypes) else _UserError)(
+                                 f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
                                  f"{x.dtype}): layer {i} ({type(layers[i]).__name__}){given} raised "
                                  f"{type(e).__name__}: {e}{hint}") from None
             if not isinstance(h, torch.Tensor):
@@ -324,6 +392,11 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
 
 def _same(t):
     return t
+
+
+def _float_dtypes(layer: nn.Module) -> dict:
+    """The dtypes of ``layer``'s floating parameters, in order (a dict used as an ordered set)."""
+    return dict.fromkeys(q.dtype for q in layer.parameters() if q.is_floating_point())
 
 
 _SPEED: dict[int, tuple[float, float]] = {}

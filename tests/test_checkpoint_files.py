@@ -286,7 +286,7 @@ def test_a_checkpoint_a_lost_worker_could_not_write_is_not_counted_as_a_storage_
         def event(self, kind, message, **fields):
             self.events.append((kind, message, fields))
 
-    spec = parse_spec(small_spec("ckpt-lost", checkpoint={"every_steps": 5, "max_failures": 2}))
+    spec = parse_spec(small_spec("ckpt-lost", checkpoint={"every_steps": 5, "max_failures": 2, "fail_after_s": 0}))
     record = Record()
     writer = CheckpointWriter(None, None, spec, record, {}, timeout=1.0)
     for step in (5, 10, 15):
@@ -299,6 +299,58 @@ def test_a_checkpoint_a_lost_worker_could_not_write_is_not_counted_as_a_storage_
     assert writer.failures == 1 and record.events[-1][1].endswith("OSError: the bucket timed out; training goes on")
     with pytest.raises(JobFailure, match="2 checkpoints in a row could not be written"):
         writer._failed(25, OSError("the bucket timed out"))
+
+
+def test_checkpoints_that_fail_for_less_than_fail_after_s_do_not_end_the_job_and_a_hanging_one_says_so():
+    """A job writing a checkpoint every few seconds failed after 37 s of storage outage (3 fast
+    failures in a row), its restarts unused; and a storage that hung said nothing for minutes (a
+    user trial).  Now max_failures ends the job only once the failures have lasted
+    checkpoint.fail_after_s, and a checkpoint still being written after slow_after_s says so, once."""
+    from actors.checkpoints import CheckpointWriter
+    from actors.failures import JobFailure
+    from service.spec import parse_spec
+    from tests.test_api import small_spec
+
+    class Record:
+        def __init__(self):
+            self.events = []
+
+        def event(self, kind, message, **fields):
+            self.events.append((kind, message, fields))
+
+    spec = parse_spec(small_spec("ckpt-blip", checkpoint={"every_steps": 5, "max_failures": 3, "fail_after_s": 60,
+                                                          "slow_after_s": 30}))
+    record, now = Record(), [1000.0]
+    writer = CheckpointWriter(None, "s3://b/x", spec, record, {}, timeout=1.0)
+    writer.clock = lambda: now[0]
+    for t in (0, 5, 10, 15, 50):  # five fast failures within 50 s: training goes on
+        now[0] = 1000.0 + t
+        writer._failed(t, OSError("Could not connect to the endpoint URL"))
+    assert writer.failures == 5
+    assert record.events[-1][1] == ("checkpoint of step 50 failed (5 in a row over 50 s, the job fails at 3 and 60 s): "
+                                    "OSError: Could not connect to the endpoint URL; training goes on")
+    assert record.events[-1][2]["failing_s"] == 50.0
+    now[0] = 1061.0
+    with pytest.raises(JobFailure) as e:
+        writer._failed(61, OSError("Could not connect to the endpoint URL"))
+    assert str(e.value) == ("6 checkpoints in a row could not be written to s3://b/x over 61 s (checkpoint.max_failures "
+                            "is 3, checkpoint.fail_after_s 60); the last: OSError: Could not connect to the endpoint URL")
+    assert record.events[-1][1].endswith("; the job stops: checkpoint.max_failures is reached")
+    # one that is written starts the count again
+    writer.failures, writer.failing_since = 0, None
+    now[0] = 2000.0
+    writer._failed(70, OSError("down"))
+    assert writer.failing_since == 2000.0
+    # a checkpoint that hangs: said once, after slow_after_s
+    flight = {"step": 75, "t0": 2000.0}
+    writer.written = (45, "s3://b/x/step-00000045")
+    for t in (10, 31, 40, 90):
+        now[0] = 2000.0 + t
+        writer._say_if_slow(flight)
+    slow = [(m, f) for k, m, f in record.events if k == "checkpoint_slow"]
+    assert slow == [("checkpoint of step 75 is still being written after 31 s (checkpoint.slow_after_s is 30): the "
+                     "storage at s3://b/x is slow or does not answer; training goes on, and the newest complete "
+                     "checkpoint is step 45", {"step": 75, "seconds": 31.0})]
 
 
 def test_a_checkpoint_due_while_the_previous_is_being_written_is_taken_at_the_next_boundary(ray_session, tmp_path):

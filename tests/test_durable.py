@@ -501,13 +501,15 @@ def test_a_job_whose_storage_is_gone_fails_after_max_failures_in_a_row(durable_s
 
     body = spec_dict("gone", 100000, f"{s3_bucket}/x", every=1, most=0)
     body["checkpoint"]["max_failures"] = 2
+    body["checkpoint"]["fail_after_s"] = 0  # at max_failures alone
     with durable_server.client() as c:
         job = c.post("/v1/jobs", json=body).json()  # the bucket is there when the job is checked
         boto3.client("s3").delete_bucket(Bucket=s3_bucket.removeprefix("s3://"))  # and gone before it runs
         failed = wait_state(c, job["id"], {"FAILED"}, timeout=120)
         assert failed["error"].startswith(f"2 checkpoints in a row could not be written to {s3_bucket}/x/alice/"), \
             failed["error"]
-        assert "(checkpoint.max_failures is 2); the last: " in failed["error"] and "bucket" in failed["error"].lower()
+        assert "(checkpoint.max_failures is 2, checkpoint.fail_after_s 0); the last: " in failed["error"] and \
+            "bucket" in failed["error"].lower()
         assert failed["step"] >= 2 and failed["checkpoint"] is None
         fails = [e for e in _events(c, job["id"]) if e["type"] == "checkpoint_failed"]
         assert [e["failures"] for e in fails] == [1, 2]

@@ -240,6 +240,80 @@ def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores_and_a_ctrl_c_th
     assert sorted(p.name for p in (out / "model").iterdir()) == shards
 
 
+def test_a_second_ctrl_c_keeps_every_committed_step_in_the_files_and_a_resume_marks_its_reruns(ray_session,
+                                                                                                   tmp_path,
+                                                                                                   monkeypatch):
+    """Two Ctrl-Cs (the first asks the job to finish after the step under way, the second stops
+    it): every step the job store holds is in metrics.jsonl too (a user trial: 17 rows in the
+    file, 19 in the store, the scheduler having committed two more before it was stopped).  A
+    --resume into the same --out from an earlier checkpoint appends the steps it runs again with
+    "rerun": true (the trial's two unmarked rows of steps 16 and 17), and ends at the one-process
+    loop's model.  Each weight gradient takes 40 ms (a device computing it), so that the step
+    under way is still going when the second Ctrl-C comes."""
+    import io
+    import signal
+    import threading
+
+    from service.settings import Settings
+    from service.store import Store
+
+    def spec(steps: int):
+        return parse_spec({"name": "twice-stopped",
+                           "model": {"builder": "userpkg.models:functional_linears",
+                                     "args": {"layers": 2, "weight_grad_ms": 40}},
+                           "data": {"kind": "digits"}, "optimizer": {"name": "sgd", "lr": 0.1},
+                           "training": {"global_batch_size": 32, "microbatch_size": 8, "steps": steps},
+                           "parallelism": {"pp": 2}, "checkpoint": {"every_steps": 2, "path": str(tmp_path / "ck")}})
+
+    out = tmp_path / "out"
+    asked = threading.Event()
+
+    class Told(io.StringIO):  # the run's stderr: the first Ctrl-C was taken once it says so
+        def write(self, text):
+            if "finishing after the step under way" in text:
+                asked.set()
+            return super().write(text)
+
+    monkeypatch.setattr(sys, "stderr", Told())
+
+    def ctrl_c_twice():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            if (out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 4:
+                break
+            time.sleep(0.02)
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        if asked.wait(60):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    threading.Thread(target=ctrl_c_twice, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        run_job(spec=spec(100000), out=str(out), progress=False, spec_dir=FIXTURES)
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    n = len(rows)
+    assert [r["step"] for r in rows] == list(range(1, n + 1)) and n >= 4
+    store = Store(Settings().db_url)
+    job = next(r for r in store.list_jobs("local")[0] if r["name"] == "twice-stopped")
+    assert job["state"] == "CANCELLED"
+    assert [m["step"] for m in store.get_metrics(job["id"])] == list(range(1, n + 1)), n
+
+    # from the oldest checkpoint kept (the newest may be the last step), a folder of its own
+    oldest = checkpoint.list_checkpoints(str(tmp_path / "ck"))[0]
+    newest = checkpoint.step_of(oldest)
+    assert newest < n
+    steps = n + 2
+    run_job(spec=spec(steps), out=str(out), progress=False, resume=str(oldest), spec_dir=FIXTURES)
+    rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
+    again = rows[n:]
+    assert [r["step"] for r in again] == list(range(newest + 1, steps + 1))
+    assert [r["step"] for r in again if r.get("rerun")] == list(range(newest + 1, n + 1))
+    assert not any(r.get("rerun") for r in rows[:n])
+    want, _ = reference.train(spec(steps), search=[FIXTURES])
+    got = torch.load(out / "model.pt")
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
+
+
 def test_cli_run_bad_spec_says_one_sentence(tmp_path):
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("name: bad\nmodel: {kind: mlp}\ndata: {kind: digits}\n"

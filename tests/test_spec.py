@@ -240,6 +240,63 @@ def test_model_and_data_do_not_fit():
         preflight(s, [FIXTURES])
 
 
+def test_float64_numpy_rows_into_a_float32_model_are_refused_before_start():
+    """numpy's float64 into an nn.Linear of float32: the meta device's products run any dtypes,
+    so the trace passed and every worker failed at step 1 with torch's "mat1 and mat2 must have
+    the same dtype" (a user trial).  Refused now, naming the layer and the cast."""
+    s = parse_spec(spec_with(data={"builder": "userpkg.data:numpy_rows"}, model={"builder": "userpkg.models:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert str(e.value) == (
+        "the model fails on a microbatch of the data (x of shape (8, 8), dtype torch.float64): layer 0 (Linear) "
+        "raised RuntimeError: addmm of tensors of different dtypes (float32, float64): PyTorch's kernels need them "
+        "to be the same; the layer's parameters are float32 and its input float64: have the data builder return "
+        "float32 inputs (X.float(), or torch.as_tensor(a, dtype=torch.float32) of a numpy array, float64 by "
+        "default), or build the model in the data's dtype")
+    # the same refusal for a model too large to run once for real (the meta trace's is certain)
+    from service import tracing
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(tracing, "REAL_RUN_MAX_BYTES", 0)
+        with pytest.raises(SpecError, match=r"^the model fails on a microbatch .* addmm of tensors of different "
+                                            r"dtypes \(float32, float64\).*build the model in the data's dtype$"):
+            preflight(s, [FIXTURES])
+
+
+@pytest.mark.parametrize("builder, message", [
+    ("three_tensors", "data.builder returned a tuple of 3 tensors, not (X, Y): return the inputs the first layer "
+                      "takes and the loss's targets, two tensors of the same length"),
+    ("as_dict", "data.builder returned a dict (keys ['x', 'y']), not (X, Y): return two tensors of the same length, "
+                "such as (d['x'], d['y']), or a map-style Dataset of (x, y) pairs"),
+    ("numbers", "data.builder: the Dataset's item 0 is an int, not an (x, y) pair: return (x, y) from __getitem__"),
+    ("broken", "data.builder: reading a microbatch failed with KeyError: 'item {i} missing: 100% broken {} (0)' "
+               "(raised at "),
+    ("ragged", "data.builder: the samples of one microbatch have different shapes (stack expects each tensor to be "
+               "equal size"),
+])
+def test_data_that_is_not_x_and_y_says_so_before_anything_else(builder, message):
+    """What a builder returns when it is not (X, Y) or a Dataset of (x, y) pairs: each said as such.
+    A 3-tuple, a dict and a list of numbers were read as a Dataset of 3, 2 and 3 samples, and
+    refused as "fewer than training.global_batch_size" (a user trial); an error in __getitem__
+    named no line of the user's code; unpadded sequences gave torch's stack error alone."""
+    s = parse_spec(spec_with(data={"builder": f"userpkg.data:{builder}"}, model={"builder": "userpkg.models:build"}))
+    with pytest.raises(SpecError) as e:
+        preflight(s, [FIXTURES])
+    assert str(e.value).startswith(message), str(e.value)
+    if builder == "broken":
+        assert "fixtures/userpkg/data.py, line " in str(e.value) and str(e.value).endswith("in __getitem__)")
+    if builder == "ragged":
+        assert "pad sequences to one length in __getitem__" in str(e.value)
+
+
+def test_numpy_arrays_as_x_and_y_are_taken_as_tensors():
+    from service.loading import Samples
+
+    import numpy as np
+    got = Samples((np.ones((4, 2), dtype=np.float32), np.arange(4)))
+    x, y = got.batch(torch.tensor([1, 3]))
+    assert x.dtype == torch.float32 and y.tolist() == [1, 3]
+
+
 def test_too_little_data():
     s = parse_spec(spec_with(data={"builder": "userpkg.data:build", "args": {"n": 10}},
                              model={"builder": "userpkg.models:build"}))

@@ -22,6 +22,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+_PG: dict = {}  # how to stop and start the module's PostgreSQL (test_a_store_that_does_not_answer_is_a_503)
+
+
 @pytest.fixture(scope="module")
 def postgres_url():
     """A PostgreSQL server in a temporary folder, run as the 'postgres' user."""
@@ -37,6 +40,7 @@ def postgres_url():
                    check=True, capture_output=True)
     subprocess.run(as_pg + [f"{pg_bin}/pg_ctl", "-D", f"{data}/db", "-l", f"{data}/log", "-w", "-o",
                             f"-p {port} -k {data} -h 127.0.0.1", "start"], check=True, capture_output=True)
+    _PG.update(ctl=as_pg + [f"{pg_bin}/pg_ctl", "-D", f"{data}/db"], log=f"{data}/log", port=port, sockets=data)
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
@@ -214,3 +218,36 @@ def test_started_at_is_the_first_start_and_a_job_may_be_queued(store):
     store.set_state("q1", JobState.RESHAPING)
     store.set_state("q1", JobState.RUNNING)  # after a reshape: still the first start
     assert store.get_job("q1")["started_at"] == first
+
+
+def test_a_store_that_does_not_answer_is_a_503_saying_so_and_the_api_comes_back_with_it(postgres_url, tmp_path):
+    """PostgreSQL stopped under a running server: the job routes answered a bare 500 "Internal
+    Server Error" (a user trial).  Now a 503 that says the store does not answer, with
+    Retry-After, and no password or SQL; the same routes answer again once it is back."""
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    url = postgres_url.replace("postgres@", "postgres:s3cret@")  # trust auth: the password is ignored, and never shown
+    Store(url).create_job("down-1", "local", SPEC)
+    app = create_app(Settings(home=tmp_path, db=url, api_tokens=""), connect_ray=False)
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        assert tc.get("/v1/jobs/down-1").status_code == 200
+        subprocess.run(_PG["ctl"] + ["-m", "fast", "-w", "stop"], check=True, capture_output=True)
+        try:
+            for path in ("/v1/jobs/down-1", "/v1/jobs", "/v1/jobs/down-1/events"):
+                r = tc.get(path)
+                assert r.status_code == 503, (path, r.status_code, r.text)
+                detail = r.json()["detail"]
+                assert detail.startswith("the job store does not answer (OperationalError: "), detail
+                assert detail.endswith("the jobs train on, try again shortly (GET /readyz says when it is back)")
+                assert "s3cret" not in detail and "SELECT" not in detail
+                assert r.headers["Retry-After"] == "5"
+        finally:
+            subprocess.run(_PG["ctl"] + ["-l", _PG["log"], "-w", "-o", f"-p {_PG['port']} -k {_PG['sockets']} -h 127.0.0.1",
+                                         "start"], check=True, capture_output=True)
+        deadline = time.monotonic() + 30
+        while (r := tc.get("/v1/jobs/down-1")).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert r.status_code == 200 and r.json()["id"] == "down-1", r.text
