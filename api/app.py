@@ -171,7 +171,8 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     store = Store(settings.db_url)
     manager = JobManager(settings, store, load_weights(settings.api_tokens, settings.tokens_file,
                                                        settings.tenant_weights, settings.weights_file))
-    auth = Authenticator(load_tokens(settings.api_tokens, settings.tokens_file))
+    auth = Authenticator(load_tokens(settings.api_tokens, settings.tokens_file), settings.api_tokens,
+                         settings.tokens_file)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

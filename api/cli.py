@@ -90,7 +90,10 @@ def _plan(args) -> int:
         if workers % p.dp:
             raise SpecError(f"--workers {workers} is not a multiple of parallelism.dp {p.dp}")
         if p.schedule not in ("gpipe", "1f1b"):
-            raise SpecError(f"relaytrain plan compares replicated stages, which run gpipe or 1f1b, not {p.schedule}")
+            raise SpecError(f"it compares ways to replicate stages, which run gpipe or 1f1b, not {p.schedule}; "
+                            f"`relaytrain schedule --schedule {p.schedule} --stages {p.pp} --microbatches "
+                            f"{spec.training.global_batch_size // (p.dp * spec.training.microbatch_size)}` shows "
+                            f"{p.schedule}'s plan and bubble")
         spec = spec.model_copy(update={"parallelism": p.model_copy(update={"replicas": "auto"})})
         layers = layerfacts.learn(spec, search_dirs(str(Path(args.spec).resolve().parent)))
     except (SpecError, ValueError) as e:
@@ -196,6 +199,15 @@ def _serve(args) -> int:
         except RayConnectError as e:
             print(f"relaytrain serve: {e}", file=sys.stderr)
             return 2
+    elif settings.ray_address:  # a named GCS address: connected now, a failure as one line (the app's start
+        from service.names import NAMESPACE  # would end in a traceback)
+        from service import rayconnect
+
+        try:
+            rayconnect.init(settings.ray_address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
+        except rayconnect.RayConnectError as e:
+            print(f"relaytrain serve: {e}", file=sys.stderr)
+            return 2
     import uvicorn
 
     from api.app import create_app
@@ -211,6 +223,10 @@ def _serve(args) -> int:
     shown = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     print(f"relaytrain serve: the web page is at http://{shown}:{settings.port}/ (the API's OpenAPI page at /docs)",
           file=sys.stderr)
+    import signal
+
+    # SIGHUP ended the server without a word (a user trial): it asks for the tokens file again
+    signal.signal(signal.SIGHUP, lambda *_: app.state.auth.reread())
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 
@@ -254,8 +270,8 @@ def _submit(args) -> int:
     import json
     from pathlib import Path
 
-    from service.client import ApiError
-    from service.packages import zip_folder
+    from service.client import ApiError, format_detail
+    from service.packages import too_large_message, zip_folder
     from service.spec import SpecError, load_spec
 
     try:
@@ -267,7 +283,14 @@ def _submit(args) -> int:
     body = spec.model_dump(mode="json")
     try:
         if spec.uses_imports and "working_dir" not in spec.runtime_env:
-            pkg = client.upload_package(zip_folder(Path(args.spec).resolve().parent))
+            folder = Path(args.spec).resolve().parent
+            data = zip_folder(folder)
+            try:
+                pkg = client.upload_package(data)
+            except ApiError as e:
+                if e.status != 413:
+                    raise
+                raise ApiError(413, too_large_message(data, folder, format_detail(e.detail))) from None
             body["runtime_env"] = {**body["runtime_env"], "working_dir": pkg["uri"]}
         job = client.submit(body, resume_from=args.resume_from)
         if not args.json:
@@ -328,14 +351,35 @@ def _remote(fn):
     return run
 
 
+def _bounded_int(low: int, high, name: str):
+    """An argparse type: a whole number in [low, high] (argparse's one-line error otherwise)."""
+    import argparse
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a whole number, got {text!r}") from None
+        if v < low or (high is not None and v > high):
+            raise argparse.ArgumentTypeError(f"{name} must be {low}-{high}, got {v}" if high is not None else
+                                             f"{name} must be {low} or more, got {v}")
+        return v
+
+    return parse
+
+
 @_remote
 def _list(client, args):
-    page = client.jobs([x.upper() for x in args.state] if args.state else None, args.limit)  # running is RUNNING
+    page = client.jobs([x.upper() for x in args.state] if args.state else None, args.limit, args.offset)  # running is RUNNING
     for job in page["items"]:
         _print_job(job)
     queued = sum(job["state"] == "QUEUED" for job in page["items"])
-    print(f"{len(page['items'])} of {page['total']} jobs" + (f", {queued} of them queued (relaytrain cluster shows "
-          "the queue)" if queued else ""), file=sys.stderr)
+    shown = f"{args.offset + 1}-{args.offset + len(page['items'])}" if args.offset and page["items"] else \
+        str(len(page["items"]))
+    more = args.offset + len(page["items"]) < page["total"]
+    print(f"{shown} of {page['total']} jobs" + (f", {queued} of them queued (relaytrain cluster shows "
+          "the queue)" if queued else "") + (f"; the next: --offset {args.offset + len(page['items'])}" if more and
+                                             page["items"] else ""), file=sys.stderr)
 
 
 @_remote
@@ -441,6 +485,12 @@ def _timeline(client, args):
 @_remote
 def _cancel(client, args):
     _print_job(client.cancel(args.job))
+
+
+@_remote
+def _delete(client, args):
+    done = client.delete(args.job, args.checkpoints)
+    print(f"deleted {done['id']}" + (f"; its checkpoints: {done['checkpoints']}" if done.get("checkpoints") else ""))
 
 
 @_remote
@@ -578,7 +628,9 @@ def _remote_commands(sub) -> None:
     sb.add_argument("--json", action="store_true", help="print the final job as one JSON line, last")
     ls = remote("list", _list, "list your jobs, newest first", job=False)
     ls.add_argument("--state", action="append", help="only jobs in this state (repeatable)")
-    ls.add_argument("--limit", type=int, default=50)
+    ls.add_argument("--limit", type=_bounded_int(1, 500, "--limit"), default=50, help="at most this many (1-500)")
+    ls.add_argument("--offset", type=_bounded_int(0, None, "--offset"), default=0,
+                    help="skip this many of the newest (the next page: --offset of the last + --limit)")
     st = remote("status", _status, "show one job")
     st.add_argument("--json", action="store_true")
     cl = remote("cluster", _cluster, "show the cluster scheduler's policy, capacity, tenants' shares and the queue",
@@ -592,6 +644,8 @@ def _remote_commands(sub) -> None:
     lg.add_argument("-f", "--follow", action="store_true", help="print new lines as they come until the job ends")
     remote("cancel", _cancel, "cancel a job")
     remote("finish", _finish, "end a training job after the step under way, keeping its model (it SUCCEEDS)")
+    rm = remote("delete", _delete, "delete an ended job: its record, events, metrics, logs and model in the server")
+    rm.add_argument("--checkpoints", action="store_true", help="its checkpoint folder too")
     dl = remote("download", _download, "download a SUCCEEDED job's model: its safetensors shards and index")
     dl.add_argument("--out", required=True, metavar="DIR", help="folder to write the files into (created)")
     dl.add_argument("--single", action="store_true",

@@ -24,3 +24,7 @@ class Invalid(JobError):
 
 class TooMany(JobError):
     status = 429
+
+
+class StorageTrouble(JobError):
+    status = 503

@@ -19,7 +19,7 @@ from typing import Optional
 from actors import launch, nodeenv
 from actors.failures import lost_actor
 from api.cluster import ClusterScheduler
-from api.errors import Conflict, Invalid, NotFound, TooMany
+from api.errors import Conflict, Invalid, NotFound, StorageTrouble, TooMany
 from api.models import FinalModel
 from service import checkpoint, logtext, packages, rayconnect, restarts
 from service.loading import check_builtin_spec
@@ -352,6 +352,33 @@ class JobManager:
             self.store.add_events(job_id, [{"type": "failed", "message": reason}])
 
     # ---------------------------------------------------------------- queries
+
+    def delete(self, tenant: str, job_id: str, checkpoints: bool = False) -> dict:
+        """Delete an ended job: its row, events, metrics, logs, timelines and model files in the
+        store, and with ``checkpoints`` its checkpoint folder (``<path>/<tenant>/<job>``, its own)
+        first: storage that fails then keeps the job, saying so.  409 while it is active."""
+        job = self.get(tenant, job_id)
+        if not JobState(job["state"]).is_terminal:
+            raise Conflict(f"job {job_id} is {job['state']}: cancel it first (relaytrain cancel {job_id}, or POST "
+                           f"/v1/jobs/{job_id}/cancel), then delete it")
+        root = self.checkpoint_root(job)
+        said = None
+        if root and checkpoints:
+            try:
+                checkpoint.remove_tree(root)
+            except Exception as e:
+                raise StorageTrouble(f"job {job_id} is kept: its checkpoints at {root} could not be deleted "
+                                     f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); try again, "
+                                     "or delete the job without ?checkpoints=true") from None
+            said = f"deleted {root}"
+        elif root:
+            said = f"kept at {root}"
+        state = self.store.delete_job(job_id, tenant)
+        if state is None:
+            raise NotFound(f"no job {job_id!r}")
+        if state:
+            raise Conflict(f"job {job_id} is {state}: cancel it first, then delete it")
+        return {"id": job_id, "deleted": True, "checkpoints": said}
 
     def get(self, tenant: str, job_id: str) -> dict:
         job = self.store.get_job(job_id, tenant)

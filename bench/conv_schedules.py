@@ -70,7 +70,7 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="relaytrain-cnn-")
     Path(folder, "cnn_layers.py").write_text(CNN)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
     lines = [f"CNN on p = 2, M = {args.m}, median step (ms) over {args.rounds} alternated rounds of "
              f"{args.steps - SETTLED} timed steps, measured bubble median; {time.strftime('%Y-%m-%d %H:%M')}", "",

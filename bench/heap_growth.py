@@ -157,7 +157,7 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=1)
     ap.add_argument("--tunables", default=None, help="the workers' GLIBC_TUNABLES (default: actors/heap.py's)")
     args = ap.parse_args()
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
     for _ in range(args.runs):
         run(args.case, args.steps, args.every, args.tunables)
 

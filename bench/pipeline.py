@@ -83,7 +83,7 @@ def main() -> None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING")
     results = []
     for m in ms:
         base = single_process(spec_for(m, args.steps, 1, "object_store"), args.warmup)

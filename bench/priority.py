@@ -129,7 +129,7 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=4, include_dashboard=False, logging_level="WARNING")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING")
     rows = []
     info = machine()
     header = ", ".join(f"{k} {v}" for k, v in info.items() if v is not None)

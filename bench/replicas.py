@@ -136,7 +136,7 @@ def main() -> None:
     folder = tempfile.mkdtemp(prefix="relaytrain-replicas-")
     Path(folder, "replica_blocks.py").write_text(MODEL)
     sys.path.insert(0, folder)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING",
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
              runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
     rows, t_start = [], time.time()
     runs = [(kind, ms) for kind in args.kinds for ms in (args.ms_per_sample if kind == "paced" else [0.0])]

@@ -153,7 +153,7 @@ def main() -> None:
 
     folder = tempfile.mkdtemp(prefix="relaytrain-paced-")
     Path(folder, "paced_layers.py").write_text(PACED)
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
     rows, t_start = [], time.time()
     for pp in args.pps:
         layers = 4 * pp  # 4 paced layers per worker (2 per chunk with 2 chunks)

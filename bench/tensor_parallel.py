@@ -125,7 +125,7 @@ def measure(a) -> list:
     import numpy as np
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, logging_level="WARNING", namespace="relaytrain")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING", namespace="relaytrain")
     tokens = Path(tempfile.mkdtemp()) / "tokens.bin"
     np.random.default_rng(0).integers(0, VOCAB, 200_000).astype(np.uint16).tofile(tokens)
     results = []

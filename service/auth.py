@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import logging
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -123,9 +125,60 @@ def _weights_file(p: Path, tenants: set[str]) -> dict[str, float]:
     return {str(t): _weight(w, str(t), f"weights file {p}") for t, w in data.items()}
 
 
+_log = logging.getLogger("uvicorn.error")  # the server's own log
+
+
 class Authenticator:
-    def __init__(self, tokens: dict[str, str]):
+    """Bearer tokens to tenants.  With ``tokens_file``, the file is read again when it changes
+    (looked at once a second at most, or at once after :meth:`reread`): a token is rotated or
+    revoked by editing the file, without a restart (the server read it only at its start: a user
+    trial).  A file that no longer parses, or names no tenant, is not taken (the tokens before
+    stay, and the server's log says why): an emptied file never opens the server to everyone."""
+
+    def __init__(self, tokens: dict[str, str], tokens_env: str = "", tokens_file: Optional[Path] = None):
+        self._set(tokens)
+        self._env, self._file = tokens_env, Path(tokens_file) if tokens_file else None
+        self._stamp, self._looked = self._stat(), time.monotonic()
+
+    def _set(self, tokens: dict[str, str]) -> None:
         self._tokens = [(t.encode(), tenant) for t, tenant in tokens.items()]
+
+    def _stat(self):
+        try:
+            st = self._file.stat() if self._file else None
+        except OSError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
+
+    def reread(self) -> None:
+        """Look at the tokens file at the next request (SIGHUP)."""
+        self._looked, self._stamp = 0.0, ("asked",)
+
+    def _refresh(self) -> None:
+        now = time.monotonic()
+        if self._file is None or now - self._looked < 1.0:
+            return
+        self._looked = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        try:
+            tokens = load_tokens(self._env, self._file)
+        except (TokenError, OSError) as e:
+            _log.warning("relaytrain serve: the tokens file changed but was not taken (%s); the tokens before it "
+                         "stay in force", e)
+            return
+        if not tokens:
+            _log.warning("relaytrain serve: the tokens file %s now names no tenant; the tokens before it stay in "
+                         "force (a server with tokens does not open to everyone)", self._file)
+            return
+        before = {tenant for _, tenant in self._tokens}
+        self._set(tokens)
+        _log.warning("relaytrain serve: tokens read again from %s: %d tokens of %d tenants (added: %s; removed: %s)",
+                     self._file, len(tokens), len(set(tokens.values())),
+                     ", ".join(sorted(set(tokens.values()) - before)) or "none",
+                     ", ".join(sorted(before - set(tokens.values()))) or "none")
 
     @property
     def enabled(self) -> bool:
@@ -133,6 +186,7 @@ class Authenticator:
 
     def tenant_for(self, header: Optional[str]) -> Optional[str]:
         """The tenant of a bearer header, or None.  Without tokens everyone is 'local'."""
+        self._refresh()
         if not self._tokens:
             return LOCAL_TENANT
         scheme, _, token = (header or "").strip().partition(" ")

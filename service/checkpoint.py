@@ -108,6 +108,18 @@ def _rm_quiet(fs, path: str, recursive: bool = False) -> None:
         pass
 
 
+def remove_tree(root: str | Path) -> None:
+    """Delete a job's checkpoint folder and everything in it (local or on object storage); one
+    that is not there is no error."""
+    where = _loc(root)
+    if isinstance(where, Path):
+        if where.exists():
+            shutil.rmtree(where)
+        return
+    fs, path = storage.fs_and_path(where)
+    _rm_quiet(fs, path, recursive=True)
+
+
 def _files(folder: str) -> dict[str, int]:
     """The files directly in remote ``folder`` and their sizes (one listing, never cached)."""
     fs, path = storage.fs_and_path(folder)

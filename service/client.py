@@ -68,6 +68,9 @@ class Client:
         using, running, queued) and the ``queue`` in order (other tenants' job ids left out)."""
         return self._call("GET", "/v1/cluster").json()
 
+    def delete(self, job_id: str, checkpoints: bool = False) -> dict:
+        return self._call("DELETE", f"/v1/jobs/{job_id}", params={"checkpoints": str(checkpoints).lower()}).json()
+
     def cancel(self, job_id: str) -> dict:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 

@@ -104,6 +104,21 @@ def gitignore_escaped(path: str) -> str:
     return re.sub(r"([\[\]*?!#\\])", r"\\\1", path)
 
 
+def largest_files(data: bytes, n: int = 3) -> list[tuple[str, int]]:
+    """The ``n`` largest files of a zip, (name, bytes), largest first."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        return sorted(((i.filename, i.file_size) for i in z.infolist() if not i.is_dir()), key=lambda x: -x[1])[:n]
+
+
+def too_large_message(data: bytes, folder: Path, answer: str) -> str:
+    """What ``relaytrain submit`` says when the server refuses the code package as too large (a
+    bare "HTTP 413: request body over the limit" named no file: a user trial)."""
+    big = ", ".join(f"{name} ({size / 2**20:.1f} MiB)" for name, size in largest_files(data))
+    return (f"the code package of {folder} is {len(data) / 2**20:.1f} MiB zipped, which the server refuses ({answer}); "
+            f"its largest files: {big}. Move data out of the spec's folder (a data builder can read it from a path "
+            "every node sees, or from object storage), or give runtime_env.working_dir yourself")
+
+
 def zip_folder(folder: Path) -> bytes:
     """Zip a folder's files at the zip's root (what the CLI uploads), without what is not code
     (``EXCLUDED_DIRS``, ``EXCLUDED_SUFFIXES``, runs' outputs)."""

@@ -109,6 +109,38 @@ def unusable_token_message(address: str, cfg: AuthConfig) -> Optional[str]:
     return None
 
 
+def _answers(address: str, timeout: float = 3.0) -> None:
+    """Something listens at a named GCS address ``HOST:PORT``, or a ``RayConnectError`` at once:
+    ``ray.init`` to a port where nothing listens retried for more than ten minutes without a word."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        return  # not HOST:PORT: Ray says what it makes of it
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout).close()
+    except OSError as e:
+        raise RayConnectError(f"cannot connect to Ray at {address}: nothing answers there ({e.strerror or e}); "
+                              "is its head running (`ray status` on it), and is this its GCS address, "
+                              "HOST:6379 by default?") from None
+
+
+def named_address_message(address: str, e: BaseException, cfg: AuthConfig) -> str:
+    """Why ``ray.init(address=HOST:PORT)`` failed, in one sentence: after about 35 s of Ray's own
+    gcs_client lines, serve ended with a 60-line traceback when that Ray wanted a token this
+    process did not send (a user trial: Ray 2.60's ``ray start`` turns token auth on whenever
+    ~/.ray/auth_token exists, and a driver sends it to a named address only in token mode)."""
+    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    said = f"cannot connect to Ray at {address} ({first})"
+    if cfg.mode == "token":
+        return said + ("; is a Ray running there, and is the token this process sends (from "
+                       f"{cfg.source}) that cluster's? `ray get-auth-token` on its head prints it")
+    why = " (RAY_AUTH_MODE is 'disabled' here)" if cfg.mode == "disabled" else ""
+    return (said + f"; if that Ray requires token authentication (Ray 2.60 turns it on when `ray start` finds "
+            f"~/.ray/auth_token or RAY_AUTH_MODE=token), this process sent no token{why}: set RAY_AUTH_MODE=token "
+            "and " + _TOKEN_HOW)
+
+
 def refusal_message(address: str, cfg: AuthConfig) -> str:
     """The sentence for a client server that answered UNAUTHENTICATED."""
     head = f"Ray at {address} refused the connection: it requires token authentication and "
@@ -201,8 +233,15 @@ def _init(address: Optional[str], **init_kwargs) -> None:
     import ray
 
     if not (address and address.startswith(CLIENT_SCHEME)):
-        with _from_engine_root():
-            ray.init(address=address, **init_kwargs)
+        if address not in (None, "auto", "local"):
+            _answers(address)
+        try:
+            with _from_engine_root():
+                ray.init(address=address, **init_kwargs)
+        except ConnectionError as e:
+            if address in (None, "auto", "local") or isinstance(e, RayConnectError):
+                raise
+            raise RayConnectError(named_address_message(address, e, auth_config())) from None
         return
     cfg = check_client(address)
     for attempt in range(1, CLIENT_ATTEMPTS + 1):

@@ -202,6 +202,23 @@ class Store:
         with self.engine.connect() as c:
             return [dict(r._mapping) for r in c.execute(q)], int(c.execute(n).scalar_one())
 
+    def delete_job(self, job_id: str, tenant: Optional[str] = None) -> Optional[str]:
+        """Delete an ended job and everything the store holds of it (events, metrics, logs,
+        timelines, model files), in one transaction.  Returns None when there is no such job,
+        its state when it is still active (nothing deleted), and "" once it is deleted."""
+        ended = [s.value for s in JobState if s.is_terminal]
+        with self.engine.begin() as c:
+            q = sa.select(jobs.c.state).where(jobs.c.id == job_id)
+            if tenant is not None:
+                q = q.where(jobs.c.tenant == tenant)
+            state = c.execute(q).scalar_one_or_none()
+            if state is None or state not in ended:
+                return state
+            for t in (events, metrics, logs, timelines, artifacts):
+                c.execute(t.delete().where(t.c.job_id == job_id))
+            c.execute(jobs.delete().where(jobs.c.id == job_id, jobs.c.state.in_(ended)))
+        return ""
+
     def update_job(self, job_id: str, **fields) -> None:
         with self.engine.begin() as c:
             c.execute(jobs.update().where(jobs.c.id == job_id).values(**fields))

@@ -404,7 +404,9 @@ _SPEED: dict[int, tuple[float, float]] = {}
 
 def machine_speed(threads: int) -> tuple[float, float]:
     """(FLOP/s of a float32 matmul, bytes/s of a copy) with ``threads`` torch threads,
-    measured once per process (a few milliseconds)."""
+    measured once per process (a few milliseconds): the fastest of 8 tries, which other work on
+    the machine slows least (the median made a balanced cut differ between two runs of one spec
+    on a loaded machine: a user trial)."""
     if threads not in _SPEED:
         old = torch.get_num_threads()
         torch.set_num_threads(threads)
@@ -412,14 +414,14 @@ def machine_speed(threads: int) -> tuple[float, float]:
             a, src = torch.randn(384, 384), torch.randn(2**21)
             dst = torch.empty_like(src)
             mm, cp = [], []
-            for _ in range(5):
+            for _ in range(9):
                 t0 = time.perf_counter()
                 a @ a
                 t1 = time.perf_counter()
                 dst.copy_(src)
                 mm.append(t1 - t0)
                 cp.append(time.perf_counter() - t1)
-            _SPEED[threads] = (2 * 384**3 / statistics.median(mm[1:]), 2 * src.numel() * 4 / statistics.median(cp[1:]))
+            _SPEED[threads] = (2 * 384**3 / min(mm[1:]), 2 * src.numel() * 4 / min(cp[1:]))
         finally:
             torch.set_num_threads(old)
     return _SPEED[threads]

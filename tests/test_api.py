@@ -111,6 +111,43 @@ def cli(server, *args, token=ALICE):
                           timeout=240)
 
 
+def test_sighup_asks_the_server_for_its_tokens_again_and_does_not_end_it(server):
+    """SIGHUP ended `relaytrain serve` without a word (a user trial); it now asks for the tokens
+    file again (tests/test_auth.py) and the server goes on."""
+    server.proc.send_signal(signal.SIGHUP)
+    time.sleep(0.5)
+    assert server.proc.poll() is None, open(server.log.name).read()[-2000:]
+    with server.client() as c:
+        assert c.get("/v1/jobs").status_code == 200
+
+
+def test_submit_of_a_folder_over_the_package_limit_names_its_largest_files(ray_session, tmp_path):
+    """A spec folder with a large data file beside the code: the server refuses the package (413)
+    and `relaytrain submit` says which files made it large and what to do (it said "HTTP 413:
+    request body over the limit of 104857600 bytes" alone: a user trial).  Nothing is stored."""
+    import shutil
+
+    folder = tmp_path / "proj"
+    shutil.copytree(os.path.join(FIXTURES, "userpkg"), folder / "userpkg")
+    shutil.copy(os.path.join(FIXTURES, "user_job.yaml"), folder / "job.yaml")
+    (folder / "big.npy").write_bytes(os.urandom(300_000))  # random: it does not shrink when zipped
+    (tmp_path / "home").mkdir()
+    s = Server(tmp_path / "home", ray_session.get_runtime_context().gcs_address,
+               RELAYTRAIN_MAX_PACKAGE_BYTES="131072").start()
+    try:
+        p = cli(s, "submit", str(folder / "job.yaml"))
+        assert p.returncode == 2, p.stderr
+        said = p.stderr.strip().splitlines()[-1]
+        assert re.fullmatch(rf"relaytrain: HTTP 413: the code package of {re.escape(str(folder))} is 0\.\d MiB zipped, "
+                            r"which the server refuses \(request body over the limit of 131072 bytes\); its "
+                            r"largest files: big\.npy \(0\.3 MiB\), userpkg/\S+ \(0\.0 MiB\), userpkg/\S+ \(0\.0 MiB\)\. "
+                            r"Move data out of the spec's folder .*", said), said
+        with s.client() as c:
+            assert c.get("/v1/jobs").json()["items"] == []
+    finally:
+        s.stop()
+
+
 def test_submit_with_user_code_follow_and_download_model(server):
     path = os.path.join(FIXTURES, "user_job.yaml")
     p = cli(server, "submit", path, "--json")
@@ -470,6 +507,43 @@ def test_list_filters_and_paginates(server):
         assert page(state="SUCCEEDED", limit=1) == ([second], 2, 1, 0)
         assert page(state="SUCCEEDED", limit=1, offset=1) == ([first], 2, 1, 1)
         assert page(state="SUCCEEDED", limit=1, offset=2) == ([], 2, 1, 2)
+    # the CLI pages too (it had --limit alone, and past 500 jobs no way on: a user trial)
+    p = cli(server, "list", "--limit", "1", "--offset", "1", token=CAROL)
+    assert p.returncode == 0 and p.stdout.split()[0] == first, p.stdout
+    assert p.stderr.strip() == "2-2 of 3 jobs; the next: --offset 2"
+    p = cli(server, "list", "--limit", "1000", token=CAROL)
+    assert p.returncode == 2 and p.stderr.strip().endswith("argument --limit: --limit must be 1-500, got 1000")
+
+
+def test_delete_an_ended_job_with_or_without_its_checkpoints(server):
+    """There was no way to delete a job, its rows or its checkpoints (a user trial): DELETE
+    /v1/jobs/JOB (`relaytrain delete JOB [--checkpoints]`) removes an ended job and all the store
+    holds of it, and with ?checkpoints=true its own checkpoint folder; an active job is a 409."""
+    from pathlib import Path
+
+    with server.client() as c:
+        running = c.post("/v1/jobs", json=small_spec("del-running", steps=100000)).json()["id"]
+        done = c.post("/v1/jobs", json=small_spec("del-done", steps=4, checkpoint={"every_steps": 2})).json()["id"]
+        wait_state(c, done, {"SUCCEEDED"})
+        r = c.delete(f"/v1/jobs/{running}")
+        assert r.status_code == 409 and r.json()["detail"] == (
+            f"job {running} is {c.get(f'/v1/jobs/{running}').json()['state']}: cancel it first (relaytrain cancel "
+            f"{running}, or POST /v1/jobs/{running}/cancel), then delete it"), r.text
+        root = Path(server.home) / "checkpoints" / "alice" / done
+        assert sorted(x.name for x in root.iterdir()) == ["step-00000002", "step-00000004"]
+        assert c.delete(f"/v1/jobs/{done}", headers={"Authorization": f"Bearer {BOB}"}).status_code == 404
+        p = cli(server, "delete", done, "--checkpoints")
+        assert p.returncode == 0 and p.stdout == f"deleted {done}; its checkpoints: deleted {root}\n", p.stderr
+        assert not root.exists()
+        for path in ("", "/metrics", "/events", "/logs", "/model/files"):
+            assert c.get(f"/v1/jobs/{done}{path}").status_code == 404, path
+        p = cli(server, "delete", done)
+        assert p.returncode == 1 and p.stderr.strip() == f"relaytrain: HTTP 404: no job '{done}'"
+        c.post(f"/v1/jobs/{running}/cancel")
+        wait_state(c, running, {"CANCELLED"}, timeout=60)
+        r = c.delete(f"/v1/jobs/{running}")
+        assert r.status_code == 200 and r.json() == {"id": running, "deleted": True, "checkpoints": None}
+        assert running not in [j["id"] for j in c.get("/v1/jobs").json()["items"]]
 
 
 def test_bad_input_gets_clear_errors_and_stores_nothing(server):

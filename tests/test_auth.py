@@ -143,3 +143,47 @@ def test_serve_says_which_ray_it_joined_and_that_local_cpus_is_not_applied():
                     "`ray stop` first, if it is yours and no job of another server runs on it)")
     assert joined_ray_message("192.0.2.2:6379", 4.0, 4).endswith("pass --ray-address to choose a cluster")
     assert joined_ray_message("192.0.2.2:6379", 4.0, None).endswith("pass --ray-address to choose a cluster")
+
+
+def test_a_tokens_file_edited_under_a_running_server_is_read_again(tmp_path, caplog):
+    """A token rotated or revoked in the tokens file counts without a restart (the server read
+    the file only at its start: the new token was refused and the revoked ones still let in, a
+    user trial).  An emptied or malformed file is not taken: the tokens before stay."""
+    import os
+    import time
+
+    from fastapi.testclient import TestClient
+
+    from api.app import create_app
+    from service.settings import Settings
+
+    new = "c" * 22
+    f = tmp_path / "tokens"
+    f.write_text(f"alice:{T1}\nbob:{T2}\n")
+    app = create_app(Settings(home=tmp_path, tokens_file=f, api_tokens=""), connect_ray=False)
+
+    def status(token):
+        return tc.get("/v1/jobs", headers={"Authorization": f"Bearer {token}"}).status_code
+
+    def edit(text):
+        f.write_text(text)
+        os.utime(f, ns=(time.time_ns(), time.time_ns() + 10**9))  # a new mtime even within the clock's tick
+        app.state.auth.reread()  # (as SIGHUP does; otherwise within a second)
+
+    with TestClient(app, raise_server_exceptions=False) as tc:
+        assert (status(T1), status(T2), status(new)) == (200, 200, 401)
+        edit(f"alice:{new}\n")  # alice's token rotated, bob's revoked
+        assert (status(T1), status(T2), status(new)) == (401, 401, 200)
+        assert "tokens read again from" in caplog.text and "removed: bob" in caplog.text
+        edit("")  # emptied: not taken, the server stays closed
+        assert (status(new), status("x" * 20)) == (200, 401)
+        assert "now names no tenant; the tokens before it stay in force" in caplog.text
+        edit("alice\n")  # malformed: not taken
+        assert status(new) == 200
+        assert "the tokens file changed but was not taken" in caplog.text
+        edit(f"alice:{T1}\n")  # and without reread(): within a second
+        deadline = time.monotonic() + 5
+        app.state.auth._looked = time.monotonic()
+        while status(T1) != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert (status(T1), status(new)) == (200, 401)

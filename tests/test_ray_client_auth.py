@@ -66,14 +66,14 @@ class TokenCluster:
     def start(self, timeout: float = 150, attempts: int = 2) -> "TokenCluster":
         """Until its Ray Client port answers; a `ray start` that gives up is tried once more."""
         for attempt in range(1, attempts + 1):
-            self.client_port = free_port()
+            self.client_port, self.gcs_port = free_port(), free_port()
             self.address = f"ray://127.0.0.1:{self.client_port}"
             log_path = self.root / f"ray-start-{attempt}.log"
             self.temp_dir.mkdir(exist_ok=True)
             self.log = open(log_path, "w")
             self.proc = subprocess.Popen(
                 [shutil.which("ray", path=os.path.dirname(sys.executable)), "start", "--head", "--block",
-                 "--disable-usage-stats", f"--port={free_port()}", f"--ray-client-server-port={self.client_port}",
+                 "--disable-usage-stats", f"--port={self.gcs_port}", f"--ray-client-server-port={self.client_port}",
                  "--num-cpus=2", "--object-store-memory=200000000", "--node-ip-address=127.0.0.1",
                  "--include-dashboard=false", f"--dashboard-port={free_port()}",
                  f"--dashboard-agent-listen-port={free_port()}", f"--temp-dir={self.temp_dir}"],
@@ -224,6 +224,29 @@ def test_serve_without_the_token_exits_at_once_saying_what_to_set(cluster, tmp_p
     assert "Traceback" not in out, out  # one line that says what to set, not a stack
     # the process's start (imports) is most of it; Ray Client's own timeout alone is ~30 s
     assert elapsed < 25, f"took {elapsed:.1f} s:\n{out}"
+
+
+def test_serve_at_the_gcs_address_without_the_token_says_what_to_set(cluster, tmp_path):
+    """`serve --ray-address HOST:PORT` (the GCS, not Ray Client) of a Ray that requires a token,
+    from a process in no token mode: about 35 s of Ray's gcs_client lines, then a 60-line
+    traceback (a user trial).  Now one sentence saying what to set; and an address where nothing
+    listens is said at once (ray.init retried it for more than ten minutes)."""
+    env = {**clean_env(cluster.home), "RELAYTRAIN_HOME": str(tmp_path)}
+    gcs = f"127.0.0.1:{cluster.gcs_port}"
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--port", str(free_port()), "--ray-address", gcs],
+                       env=env, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    last = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 2 and last.startswith(f"relaytrain serve: cannot connect to Ray at {gcs} ("), p.stderr
+    assert last.endswith("this process sent no token: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN=<the cluster's "
+                         "token> (or RAY_AUTH_TOKEN_PATH=<a file holding it>) in the environment of this process; "
+                         "`ray get-auth-token` on the head prints it, and on Kubernetes it is key auth_token of "
+                         "Secret/relaytrain-ray-auth"), last
+    assert "Traceback" not in p.stderr
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "api.cli", "serve", "--port", str(free_port()), "--ray-address",
+                        f"127.0.0.1:{free_port()}"], env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert p.returncode == 2 and "nothing answers there (Connection refused)" in p.stderr, p.stderr
+    assert time.monotonic() - t0 < 20
 
 
 def test_a_wrong_token_is_named_as_such(cluster, tmp_path):

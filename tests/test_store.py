@@ -251,3 +251,22 @@ def test_a_store_that_does_not_answer_is_a_503_saying_so_and_the_api_comes_back_
         while (r := tc.get("/v1/jobs/down-1")).status_code != 200 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert r.status_code == 200 and r.json()["id"] == "down-1", r.text
+
+
+def test_an_ended_job_is_deleted_with_all_it_holds_and_an_active_one_is_not(store):
+    store.create_job("d1", "alice", SPEC)
+    store.add_events("d1", [{"type": "started", "message": "x"}])
+    store.add_metrics("d1", [{"step": 1, "loss": 1.0, "samples_per_s": 10.0}])
+    store.add_logs("d1", [{"time": 1.0, "source": "scheduler", "stream": "stdout", "line": "hi"}])
+    store.put_timeline("d1", {"step": 1, "workers": {}})
+    store.put_artifact("d1", "model.pt", b"x" * 10)
+    store.create_job("d2", "alice", SPEC)
+    assert store.delete_job("d1", "alice") == "PENDING"  # active: kept, all of it
+    assert store.get_events("d1") and store.get_artifact("d1", "model.pt")
+    store.set_state("d1", JobState.SUCCEEDED)
+    assert store.delete_job("d1", "bob") is None  # another tenant's: not found
+    assert store.delete_job("d1", "alice") == ""
+    assert store.get_job("d1") is None and store.delete_job("d1", "alice") is None
+    assert (store.get_events("d1"), store.get_metrics("d1"), store.get_logs("d1"), store.get_timeline("d1"),
+            store.get_artifact("d1", "model.pt")) == ([], [], [], None, None)
+    assert store.get_job("d2")["state"] == "PENDING"  # the other job untouched

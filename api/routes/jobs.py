@@ -1,4 +1,4 @@
-"""/v1/jobs: submit, list, inspect, cancel, finish early, follow and download jobs."""
+"""/v1/jobs: submit, list, inspect, cancel, finish early, follow, download and delete jobs."""
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional
@@ -50,6 +50,26 @@ def list_jobs(manager: ManagerDep, tenant: TenantDep,
 @router.get("/{job_id}", response_model=JobOut, responses=ERRORS)
 def get_job(job_id: str, manager: ManagerDep, tenant: TenantDep) -> JobOut:
     return JobOut.from_row(manager.get(tenant, job_id))
+
+
+class JobDeleted(BaseModel):
+    id: str
+    deleted: bool = True
+    checkpoints: Optional[str] = Field(None, description="'deleted <where>' or 'kept at <where>'; null when the "
+                                                         "job wrote none")
+
+
+@router.delete("/{job_id}", response_model=JobDeleted,
+               responses={**ERRORS, 409: {"model": ErrorOut}, 503: {"model": ErrorOut}})
+def delete_job(job_id: str, manager: ManagerDep, tenant: TenantDep,
+               checkpoints: Annotated[bool, Query(description="also delete the job's checkpoint folder "
+                                                              "(<checkpoint.path>/<tenant>/<job id>)")] = False
+               ) -> JobDeleted:
+    """Delete an ended job and what the server keeps of it: its record, events, metrics, logs,
+    timelines and model files; with ``?checkpoints=true`` its checkpoints too (a job that resumes
+    from them, ``resume_from``, can no longer).  409 while it is active (cancel it first); 503,
+    keeping the job, when its checkpoints' storage fails."""
+    return JobDeleted(**manager.delete(tenant, job_id, checkpoints))
 
 
 @router.post("/{job_id}/cancel", response_model=JobOut, responses={**ERRORS, 409: {"model": ErrorOut}})
