@@ -29,7 +29,14 @@ def connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> boo
         return True
     # never a cluster of `ray start`; local_cpus may exceed the cores (slots are logical); its
     # processes inherit what a job's need (actors/nodeenv.py), so they start without a runtime_env
-    rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, labels=nodeenv.prepare(), **kwargs)
+    try:
+        rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, labels=nodeenv.prepare(), **kwargs)
+    except Exception as e:  # Ray's traceback alone ("The current node timed out during startup": a user trial)
+        ray.shutdown()
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise rayconnect.RayConnectError(
+            f"the local Ray did not start ({first}); on a busy machine its daemons can miss Ray's start-up "
+            "deadline: try again, or start one with `ray start --head` and pass its address as --ray-address") from None
     return True
 
 

@@ -140,6 +140,7 @@ def _plan(args) -> int:
 
 def _run(args) -> int:
     from actors.runner import JobFailed, run_job
+    from service.rayconnect import RayConnectError
     from service.spec import SpecError
 
     try:
@@ -148,6 +149,9 @@ def _run(args) -> int:
     except SpecError as e:
         print(f"relaytrain: {e}", file=sys.stderr)
         return 2
+    except RayConnectError as e:  # no Ray to run on: one sentence, nothing in --out touched
+        print(f"relaytrain: {e}", file=sys.stderr)
+        return 1
     except JobFailed as e:
         print(f"relaytrain: job failed: {e} (details in {args.out}/events.jsonl)", file=sys.stderr)
         return 1
@@ -208,6 +212,11 @@ def _serve(args) -> int:
         except rayconnect.RayConnectError as e:
             print(f"relaytrain serve: {e}", file=sys.stderr)
             return 2
+        import signal
+
+        # ray.init set its SIGTERM handler (sys.exit(15)); uvicorn calls the handler it found once it
+        # has shut down gracefully: the default's, as when Ray is connected in the app's start
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
     import uvicorn
 
     from api.app import create_app
@@ -220,6 +229,13 @@ def _serve(args) -> int:
         where = make_url(settings.db_url).render_as_string(hide_password=True)  # never print a password
         print(f"relaytrain serve: cannot open the job store at {where}: {e}", file=sys.stderr)
         return 2
+    if tokens:  # jobs of tenants that have no token now (tokens turned on, a tenant removed) go on unseen
+        hidden = {t: n for t, n in app.state.manager.store.active_by_tenant().items() if t not in set(tokens.values())}
+        if hidden:
+            print(f"relaytrain serve: warning: {sum(hidden.values())} active jobs belong to tenants with no token now "
+                  f"({', '.join(f'{t}: {n}' for t, n in sorted(hidden.items()))}); they keep training and holding "
+                  "their slots, but no one can see or cancel them through the API: give those tenants a token "
+                  "(RELAYTRAIN_TOKENS_FILE), or run without tokens on loopback to reach them", file=sys.stderr)
     shown = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     print(f"relaytrain serve: the web page is at http://{shown}:{settings.port}/ (the API's OpenAPI page at /docs)",
           file=sys.stderr)

@@ -238,6 +238,14 @@ class Store:
         with self.engine.begin() as c:
             return c.execute(q.values(**values)).rowcount > 0
 
+    def active_by_tenant(self) -> dict[str, int]:
+        """Active (not ended) jobs per tenant."""
+        active = [s.value for s in JobState if not s.is_terminal]
+        with self.engine.connect() as c:
+            rows = c.execute(sa.select(jobs.c.tenant, sa.func.count()).where(jobs.c.state.in_(active))
+                             .group_by(jobs.c.tenant)).all()
+        return {t: int(n) for t, n in rows}
+
     def count_active(self, tenant: str) -> int:
         active = [s.value for s in JobState if not s.is_terminal]
         with self.engine.connect() as c:

@@ -111,6 +111,31 @@ def cli(server, *args, token=ALICE):
                           timeout=240)
 
 
+def test_serve_warns_of_active_jobs_whose_tenants_have_no_token(ray_session, tmp_path):
+    """Turning tokens on hid every job of tenant `local`, which kept training and holding slots
+    with no one able to see or cancel it, and nothing said so (an operator trial)."""
+    from service.settings import Settings
+    from service.store import Store
+
+    home = tmp_path / "home"
+    home.mkdir()
+    store = Store(Settings(home=home).db_url)
+    from service.states import JobState
+
+    for i in range(2):  # RUNNING with no scheduler: the server's reconcile fails them, starting nothing
+        store.create_job(f"old-{i}", "local", small_spec(f"old-{i}"))
+        store.set_state(f"old-{i}", JobState.RUNNING)
+    store.create_job("done-0", "local", small_spec("done-0"))
+    store.set_state("done-0", JobState.SUCCEEDED)
+    s = Server(home, ray_session.get_runtime_context().gcs_address).start()
+    try:
+        assert ("relaytrain serve: warning: 2 active jobs belong to tenants with no token now (local: 2); they keep "
+                "training and holding their slots, but no one can see or cancel them through the API") in \
+            open(s.log.name).read()
+    finally:
+        s.stop()
+
+
 def test_sighup_asks_the_server_for_its_tokens_again_and_does_not_end_it(server):
     """SIGHUP ended `relaytrain serve` without a word (a user trial); it now asks for the tokens
     file again (tests/test_auth.py) and the server goes on."""

@@ -314,6 +314,25 @@ def test_a_second_ctrl_c_keeps_every_committed_step_in_the_files_and_a_resume_ma
         torch.testing.assert_close(got[k], want[k], rtol=1e-4, atol=2e-5)
 
 
+def test_cli_run_with_a_ray_address_where_nothing_answers_says_so_at_once(tmp_path):
+    """ray.init of a GCS address where nothing listens retried it for more than ten minutes."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    spec_file = tmp_path / "job.yaml"
+    spec_file.write_text("name: nowhere\nmodel: {kind: mlp, args: {hidden: 16, layers: 2}}\ndata: {kind: digits}\n"
+                         "training: {global_batch_size: 32, microbatch_size: 8, steps: 2}\n")
+    p = subprocess.run([sys.executable, "-m", "api.cli", "run", str(spec_file), "--out", str(tmp_path / "o"),
+                        "--ray-address", f"127.0.0.1:{port}", "--no-progress"], capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 1 and p.stderr.strip().splitlines()[-1] == (
+        f"relaytrain: cannot connect to Ray at 127.0.0.1:{port}: nothing answers there (Connection refused); is its "
+        "head running (`ray status` on it), and is this its GCS address, HOST:6379 by default?"), p.stderr
+    assert not (tmp_path / "o").exists()
+
+
 def test_cli_run_bad_spec_says_one_sentence(tmp_path):
     spec_file = tmp_path / "job.yaml"
     spec_file.write_text("name: bad\nmodel: {kind: mlp}\ndata: {kind: digits}\n"
