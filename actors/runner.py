@@ -49,6 +49,9 @@ class _Outputs:
         self.rerun_through = _newest_step(out / "metrics.jsonl") if append else 0
         self.metrics = open(out / "metrics.jsonl", mode)
         self.events = open(out / "events.jsonl", mode)
+        for f in (self.metrics, self.events):  # after a torn last line (a run killed mid-write): a line of its own
+            if append and f.tell() and not (out / Path(f.name).name).read_bytes().endswith(b"\n"):
+                f.write("\n")
 
     def write(self, f, rows: list[dict]) -> None:
         for r in rows:
@@ -279,6 +282,7 @@ class _Seen:
         self.metrics: list[dict] = []
         self.committed = 0   # the most steps ever committed
         self.cursor = (0, 0)  # the current scheduler's metrics rows and events copied to the files
+        self.stop_asked = False  # a second Ctrl-C (or one before any step): _follow stops the job
         self.finishing: Optional[str] = None  # who asked the job to finish early (a first Ctrl-C)
         self.bar = None
         if progress:
@@ -328,7 +332,10 @@ class _Interrupts:
 
     def _on(self, signum, frame) -> None:
         if self.seen.finishing or not self.seen.committed:
-            raise KeyboardInterrupt
+            # raised by ``_follow`` between two polls, never between a write to the files and its
+            # cursor (which would copy rows twice when the stop drains the rest)
+            self.seen.stop_asked = True
+            return
         self.seen.finishing = "its user (Ctrl-C)"
 
     def __exit__(self, *exc) -> None:
@@ -343,11 +350,16 @@ def _drain(sched, job_id: str, outputs: _Outputs, seen: _Seen) -> None:
     file, 19 in the store).  Best effort: a scheduler that does not answer is killed as before."""
     import ray
 
+    patient = threading.current_thread() is threading.main_thread()
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN) if patient else None  # the store's end is written next
     try:
         launch.stop_at_boundary(sched)
         snap = ray.get(sched.poll.remote(*seen.cursor), timeout=5)
     except Exception:
         return
+    finally:
+        if patient:
+            signal.signal(signal.SIGINT, before)
     outputs.write(outputs.metrics, snap["metrics"])
     outputs.write(outputs.events, snap["events"])
     seen.add(snap)
@@ -362,6 +374,8 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
     unavailable_since = None
     told = bool(seen.finishing)  # a restarted scheduler was told when it was started
     while True:
+        if seen.stop_asked:
+            raise KeyboardInterrupt
         try:
             finished = bool(ray.wait([done_ref], timeout=0.2)[0])
             snap = ray.get(sched.poll.remote(m_seen, e_seen))
@@ -379,7 +393,7 @@ def _follow(sched, done_ref, outputs: _Outputs, seen: _Seen) -> dict:
                 continue
             told = True
             print(f"\nrelaytrain: finishing after the step under way ({committed} committed), keeping the "
-                  "model; Ctrl-C again stops it at once", file=sys.stderr)
+                  "model; Ctrl-C again stops it at its next step boundary", file=sys.stderr)
         outputs.write(outputs.metrics, snap["metrics"])
         outputs.write(outputs.events, snap["events"])
         seen.add(snap)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
 import time
 from contextlib import asynccontextmanager
@@ -22,6 +23,8 @@ from api.routes import health, jobs, packages, timeline, ui
 from service.auth import Authenticator, load_tokens, load_weights
 from service.settings import Settings
 from service.spec import error_message, read_yaml
+
+_log = logging.getLogger("uvicorn.error")  # the server's own log
 from service.states import JobState
 from service.store import Store
 
@@ -218,17 +221,20 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     async def job_error(_request: Request, exc: JobError):
         return JSONResponse({"detail": exc.message}, status_code=exc.status)
 
-    from sqlalchemy.exc import DBAPIError, TimeoutError as PoolTimeout
+    from sqlalchemy.exc import InterfaceError, OperationalError, TimeoutError as PoolTimeout
 
-    @app.exception_handler(DBAPIError)
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(InterfaceError)
     @app.exception_handler(PoolTimeout)
     async def store_down(_request: Request, exc: Exception):
-        """The job store does not answer (PostgreSQL stopped, SQLite's disk gone): a 503 a client
-        retries, saying so, not a bare 500 "Internal Server Error" (a user trial); the jobs train
-        on meanwhile.  Only the error's first line: no statement, parameters or password."""
-        first = next((ln.strip() for ln in str(getattr(exc, "orig", None) or exc).splitlines() if ln.strip()), "")
-        kind = type(getattr(exc, "orig", None) or exc).__name__
-        return JSONResponse({"detail": f"the job store does not answer ({kind}: {first[:300]}); the jobs train on, "
+        """The job store does not answer (PostgreSQL stopped, its network gone, SQLite's disk
+        gone): a 503 a client retries, saying so, not a bare 500 "Internal Server Error" (a user
+        trial); the jobs train on meanwhile.  The client gets the error's kind; its text (hosts,
+        users) goes to the server's log.  Other database errors (a constraint, a bug) stay 500s."""
+        orig = getattr(exc, "orig", None) or exc
+        first = next((ln.strip() for ln in str(orig).splitlines() if ln.strip()), "")
+        _log.warning("the job store does not answer: %s: %s", type(orig).__name__, first[:300])
+        return JSONResponse({"detail": f"the job store does not answer ({type(orig).__name__}); the jobs train on, "
                                        "try again shortly (GET /readyz says when it is back)"},
                             status_code=503, headers={"Retry-After": "5"})
 

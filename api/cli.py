@@ -203,9 +203,10 @@ def _serve(args) -> int:
         except RayConnectError as e:
             print(f"relaytrain serve: {e}", file=sys.stderr)
             return 2
-    elif settings.ray_address:  # a named GCS address: connected now, a failure as one line (the app's start
-        from service.names import NAMESPACE  # would end in a traceback)
+    elif settings.ray_address and settings.ray_address not in ("auto", "local"):
+        # a named GCS address: connected now, a failure as one line (in the app's start, a traceback)
         from service import rayconnect
+        from service.names import NAMESPACE
 
         try:
             rayconnect.init(settings.ray_address, namespace=NAMESPACE, logging_level="WARNING", log_to_driver=False)
@@ -235,7 +236,15 @@ def _serve(args) -> int:
             print(f"relaytrain serve: warning: {sum(hidden.values())} active jobs belong to tenants with no token now "
                   f"({', '.join(f'{t}: {n}' for t, n in sorted(hidden.items()))}); they keep training and holding "
                   "their slots, but no one can see or cancel them through the API: give those tenants a token "
-                  "(RELAYTRAIN_TOKENS_FILE), or run without tokens on loopback to reach them", file=sys.stderr)
+                  "(RELAYTRAIN_TOKENS_FILE)" + (", or run without tokens on loopback to reach tenant local's"
+                                                if "local" in hidden else ""), file=sys.stderr)
+    else:  # without tokens every caller is tenant local: other tenants' jobs are out of reach
+        hidden = {t: n for t, n in app.state.manager.store.active_by_tenant().items() if t != "local"}
+        if hidden:
+            print(f"relaytrain serve: warning: {sum(hidden.values())} active jobs belong to tenants other than local "
+                  f"({', '.join(f'{t}: {n}' for t, n in sorted(hidden.items()))}), which this server without tokens "
+                  "cannot reach (every caller is tenant local): they keep training and holding their slots; serve "
+                  "with their tokens to see or cancel them", file=sys.stderr)
     shown = "127.0.0.1" if settings.host in ("0.0.0.0", "::") else settings.host
     print(f"relaytrain serve: the web page is at http://{shown}:{settings.port}/ (the API's OpenAPI page at /docs)",
           file=sys.stderr)

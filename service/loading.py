@@ -295,7 +295,11 @@ class Samples:
         self.field = field
         arrays = (torch.Tensor, np.ndarray)
         if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, arrays) for t in data):
-            x, y = (torch.from_numpy(t) if isinstance(t, np.ndarray) else t for t in data)  # numpy's dtype kept
+            try:  # numpy's dtype kept (a reversed or strided view copied)
+                x, y = (torch.as_tensor(np.ascontiguousarray(t)) if isinstance(t, np.ndarray) else t for t in data)
+            except (TypeError, ValueError) as e:
+                raise SpecError(f"{field} returned numpy arrays torch cannot take ({e}): return arrays of numbers "
+                                "(float32 features, int64 labels)") from None
             if len(x) != len(y):
                 raise SpecError(f"{field}: X has {len(x)} samples but Y has {len(y)}; they must match")
             self.x, self.y, self.dataset = x, y, None
@@ -307,6 +311,10 @@ class Samples:
             raise SpecError(f"{field} returned a tuple of {len(data)} tensors, not (X, Y): return the inputs the "
                             "first layer takes and the loss's targets, two tensors of the same length (a pipeline "
                             "passes one tensor from layer to layer: stack further inputs into X)")
+        elif isinstance(data, torch.utils.data.IterableDataset):
+            raise SpecError(f"{field} returned an IterableDataset ({type(data).__name__}); relaytrain reads samples by "
+                            "index, in the order its seed draws: return a map-style Dataset (__len__ and "
+                            "__getitem__) or (X, Y) tensors")
         elif hasattr(data, "__getitem__") and hasattr(data, "__len__"):
             self.x = self.y = None
             self.dataset = data
@@ -372,9 +380,9 @@ def build_data(spec: JobSpec, search: Sequence[str] = ()) -> Samples:
     field = "data.builder" if d.builder else f"data.kind={d.kind}"
     args = {**d.args, "search": list(search)} if d.kind == "tokens" else d.args  # a relative path: the spec's folder
     samples = Samples(_call_builder(fn, args, field), field)
-    if samples.dataset is not None and len(samples) and not callable(getattr(samples.dataset, "inputs", None)):
-        read_samples(samples, torch.tensor([0]), field)  # an item that is no (x, y) pair says so, whatever the length
     n, b = len(samples), spec.training.global_batch_size
+    if n < b and n and samples.dataset is not None and not callable(getattr(samples.dataset, "inputs", None)):
+        read_samples(samples, torch.tensor([0]), field)  # an item that is no (x, y) pair says that, not "too few"
     if n < b:
         raise SpecError(f"{field} gave {n} samples, fewer than training.global_batch_size ({b}); "
                         "lower the batch size or give more data")
@@ -550,14 +558,22 @@ def read_samples(samples: Samples, idx: torch.Tensor, field: str) -> tuple[torch
         raise SpecError(f"{field}: reading a microbatch failed with {type(e).__name__}: {e}{raised_at(e)}") from None
 
 
-_OURS = (str(Path(__file__).resolve().parent.parent / "service") + os.sep,
-         str(Path(torch.__file__).resolve().parent) + os.sep)
+def _not_the_users() -> tuple:
+    import sysconfig
+
+    paths = {str(Path(__file__).resolve().parent.parent / "service"), str(Path(torch.__file__).resolve().parent)}
+    paths |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(os.path.join(str(Path(p).resolve()), "") for p in paths)
+
+
+_OURS = _not_the_users()  # frames in relaytrain's service, torch, the standard library and installed packages
 
 
 def raised_at(e: BaseException) -> str:
     """`` (raised at FILE, line N, in FUNC)``: the innermost frame of the user's code in ``e``'s
     traceback (its Dataset's __getitem__ had only its message: a user trial); "" when none."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if not f.filename.startswith(_OURS)]
+    frames = [f for f in traceback.extract_tb(e.__traceback__)
+              if not os.path.realpath(f.filename).startswith(_OURS)]
     if not frames:
         return ""
     f = frames[-1]

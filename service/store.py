@@ -265,6 +265,15 @@ class Store:
             return [{"id": r.id, "time": r.time, "type": r.type, "message": r.message, **(r.data or {})}
                     for r in c.execute(q)]
 
+    def resumed_by(self, job_id: str) -> list[str]:
+        """The active jobs that started from a checkpoint of ``job_id`` (``resume_from``): until
+        they write their own, a restart takes them back there."""
+        active = [s.value for s in JobState if not s.is_terminal]
+        q = (sa.select(events.c.job_id, events.c.data).join(jobs, jobs.c.id == events.c.job_id)
+             .where(events.c.type == "resume_from", jobs.c.state.in_(active)))
+        with self.engine.connect() as c:
+            return sorted({r.job_id for r in c.execute(q) if (r.data or {}).get("job") == job_id})
+
     def durability(self, job_ids: list[str]) -> dict[str, dict]:
         """Per job: ``restarts`` (its restarted events), ``checkpoint``, the newest written
         (``{"step", "path", "time"}``, or None), and ``waiting``: what it waits for when its

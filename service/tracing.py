@@ -115,7 +115,7 @@ def trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch
     """Run one microbatch (``x``, ``y``) through the layers ``layers_on(device)`` builds, then
     the loss; raises :class:`SpecError` saying what failed.  With ``bf16`` the output dtypes
     are those under bf16 autocast (what crosses a stage boundary)."""
-    t = _trace(layers_on, count, x, y, loss)
+    t = _trace(layers_on, count, x, y, loss, bf16)
     if bf16:
         dtypes, skip_dtypes = _autocast_dtypes(layers_on, count, x, t.on_meta)
         t = dataclasses.replace(
@@ -178,12 +178,12 @@ def _on_fake_cpu(layers: dict[int, nn.Module], mode) -> dict[int, nn.Module]:
 
 
 def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torch.Tensor, y: torch.Tensor,
-           loss: Callable) -> Trace:
+           loss: Callable, bf16: bool = False) -> Trace:
     metas = layers_on("meta")
     size = sum(_param_bytes(metas[i]) for i in range(count))
     try:
         with torch.device("meta"):  # tensors a layer makes itself (torch.arange(T)) are meta too
-            return _run(metas, count, x.to("meta"), y.to("meta"), loss, on_meta=True)
+            return _run(metas, count, x.to("meta"), y.to("meta"), loss, on_meta=True, bf16=bf16)
     except _Certain as e:
         raise SpecError(str(e)) from None
     except _UserError as e:
@@ -195,7 +195,7 @@ def _trace(layers_on: Callable[[str], dict[int, nn.Module]], count: int, x: torc
                         "parameters are too many to run it once for real here; if the model works, an operator "
                         "of it has no meta kernel or its shapes depend on the data)")
     try:
-        return _run(layers_on("cpu"), count, x, y, loss, on_meta=False)
+        return _run(layers_on("cpu"), count, x, y, loss, on_meta=False, bf16=bf16)
     except _UserError as e:
         raise SpecError(str(e)) from None
 
@@ -262,10 +262,14 @@ class _SameDtypes:
 
     _mode = None  # the mode's class, made once (torch's dispatch modules are imported only for a trace)
 
-    def __new__(cls):
+    def __new__(cls, autocast: bool = False):
+        """``autocast``: the workers run under bf16 autocast, which casts float32, bfloat16 and
+        float16 operands of these products to one dtype: only float64 beside them is refused."""
         if cls._mode is None:
             cls._mode = cls._make()
-        return cls._mode()
+        mode = cls._mode()
+        mode.autocast = autocast
+        return mode
 
     @staticmethod
     def _make():
@@ -288,6 +292,8 @@ class _SameDtypes:
                 if packet in products or packet in norms:
                     dtypes = [a.dtype for a in tree_leaves((args, kwargs or {}))
                               if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                    if self.autocast:  # autocast casts these to one: only float64 stays apart
+                        dtypes = [d if d == torch.float64 else torch.float32 for d in dtypes]
                     if len(set(dtypes)) > 1 and not (packet in norms and dtypes[0] in low
                                                      and set(dtypes[1:]) <= {torch.float32, dtypes[0]}):
                         names = ", ".join(dtype_name(d) for d in dict.fromkeys(dtypes))
@@ -298,7 +304,7 @@ class _SameDtypes:
         return Mode
 
 
-def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
+def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool, bf16: bool = False) -> Trace:
     from relaytrain import skip
 
     try:
@@ -307,7 +313,7 @@ def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) ->
         raise _UserError(f"the model's skip connections: {e}") from None
     recorder = _Recorder(skip.Tracker())
     with skip.use_tracker(recorder):
-        t = _run_layers(layers, count, x, y, loss, on_meta)
+        t = _run_layers(layers, count, x, y, loss, on_meta, bf16)
     facts = [SkipFacts(s.stasher, s.popper, s.name, s.at, recorder.metas[s.key]) for s in found]
     return dataclasses.replace(t, skips=facts)
 
@@ -323,14 +329,14 @@ def _other_arguments(layer: nn.Module) -> list:
     return [p.name for p in params[1:] if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
 
 
-def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool) -> Trace:
+def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool, bf16: bool = False) -> Trace:
     metas, flops, io, saved = [], [], [], []
     from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
 
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
 
     h = x
-    with torch.enable_grad(), (_SameDtypes() if on_meta else contextlib.nullcontext()):  # what autograd saves is what a microbatch in flight holds
+    with torch.enable_grad(), (_SameDtypes(bf16) if on_meta else contextlib.nullcontext()):  # what autograd saves is what a microbatch in flight holds
         for i in range(count):
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])

@@ -351,6 +351,11 @@ def test_a_job_starts_from_an_ended_jobs_checkpoint_in_another_shape(durable_ser
             "must send the same request: use a new key for a new job"), other.text
         until(lambda: c.get(f"/v1/jobs/{b['id']}").json()["step"] >= n + 3, what="3 steps past the source's")
         assert c.get(f"/v1/jobs/{b['id']}").json()["checkpoint"] is None
+        # the source's checkpoints are the new job's way back until it writes its own: not deleted
+        r = c.delete(f"/v1/jobs/{a['id']}", params={"checkpoints": "true"})
+        assert r.status_code == 409 and r.json()["detail"] == (
+            f"job {a['id']}'s checkpoints are where job {b['id']} started from and would restart from until it "
+            "writes its own: delete them once it has ended, or delete this job without its checkpoints"), r.text
         _kill_scheduler(ray_session, b["id"])
         [restarted] = until(lambda: [e for e in _events(c, b["id"]) if e["type"] == "restarted"],
                             what="the restart", timeout=60)

@@ -217,7 +217,7 @@ def test_cli_run_on_its_own_local_ray_with_more_slots_than_cores_and_a_ctrl_c_th
             p.kill()
     assert p.returncode == 0, stderr
     assert "relaytrain: finishing after the step under way (" in stderr
-    assert "Ctrl-C again stops it at once" in stderr
+    assert "Ctrl-C again stops it at its next step boundary" in stderr
     n = int(re.search(r"SUCCEEDED: (\d+) steps of 100000, finished early, last loss ", stdout)[1])
     rows = [json.loads(x) for x in open(out / "metrics.jsonl")]
     assert [r["step"] for r in rows] == list(range(1, n + 1)) and {r["dp"] for r in rows} == {2}
