@@ -26,7 +26,7 @@ from typing import Optional
 import ray
 
 from actors.failures import JobFailure, lost_actor
-from service import checkpoint
+from service import checkpoint, logtext
 
 
 def _reason(e: BaseException) -> str:
@@ -34,7 +34,7 @@ def _reason(e: BaseException) -> str:
     cause = getattr(e, "cause", None)
     if isinstance(cause, BaseException) and not isinstance(e, JobFailure):
         e = cause
-    text = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), "")
+    text = logtext.first_line(e)
     return f"{type(e).__name__}: {text}" if text else type(e).__name__
 
 

@@ -11,7 +11,7 @@ from typing import Any, Optional
 import ray
 
 from actors import codepkg, nodeenv
-from service import packages, rayconnect
+from service import logtext, packages, rayconnect
 from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
 from service.spec import JobSpec, SpecError
 
@@ -33,7 +33,7 @@ def connect(ray_address: Optional[str], local_cpus: Optional[int] = None) -> boo
         rayconnect.init("local", include_dashboard=False, num_cpus=local_cpus, labels=nodeenv.prepare(), **kwargs)
     except Exception as e:  # Ray's traceback alone ("The current node timed out during startup": a user trial)
         ray.shutdown()
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        first = logtext.first_line(e, type(e).__name__)
         raise rayconnect.RayConnectError(
             f"the local Ray did not start ({first}); on a busy machine its daemons can miss Ray's start-up "
             "deadline: try again, or start one with `ray start --head` and pass its address as --ray-address") from None

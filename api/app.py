@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily
 from api.errors import JobError
 from api.jobs import JobManager
 from api.routes import health, jobs, packages, timeline, ui
+from service import logtext
 from service.auth import Authenticator, load_tokens, load_weights
 from service.settings import Settings
 from service.spec import error_message, read_yaml
@@ -232,7 +233,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
         trial); the jobs train on meanwhile.  The client gets the error's kind; its text (hosts,
         users) goes to the server's log.  Other database errors (a constraint, a bug) stay 500s."""
         orig = getattr(exc, "orig", None) or exc
-        first = next((ln.strip() for ln in str(orig).splitlines() if ln.strip()), "")
+        first = logtext.first_line(orig)
         _log.warning("the job store does not answer: %s: %s", type(orig).__name__, first[:300])
         return JSONResponse({"detail": f"the job store does not answer ({type(orig).__name__}); the jobs train on, "
                                        "try again shortly (GET /readyz says when it is back)"},

@@ -1,4 +1,4 @@
-"""A job's log as text lines: its events (failures with their tracebacks) and what its actors
+"""Text of a job's log and of errors: a job's events (failures with their tracebacks) and what its actors
 printed, merged by time.  Used by ``GET /v1/jobs/{id}/logs`` and ``relaytrain logs --follow``."""
 from __future__ import annotations
 
@@ -20,3 +20,9 @@ def merged(events: list[dict], output: list[dict]) -> list[str]:
     for o in output:
         entries.append((o["time"], 1, o["id"], [f"{stamp(o['time'])} [{o['source']} {o['stream']}] {o['line']}"]))
     return [ln for *_, group in sorted(entries, key=lambda e: e[:3]) for ln in group]
+
+
+def first_line(e: BaseException, default: str = "") -> str:
+    """The first line of an error's text that says something (Ray's and psycopg's run on for
+    lines: a sentence for the user takes the first)."""
+    return next((ln.strip() for ln in str(e).splitlines() if ln.strip()), default)

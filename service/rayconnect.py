@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from service import logtext
+
 log = logging.getLogger("relaytrain.rayconnect")
 
 CLIENT_SCHEME = "ray://"
@@ -130,7 +132,7 @@ def named_address_message(address: str, e: BaseException, cfg: AuthConfig) -> st
     gcs_client lines, serve ended with a 60-line traceback when that Ray wanted a token this
     process did not send (a user trial: Ray 2.60's ``ray start`` turns token auth on whenever
     ~/.ray/auth_token exists, and a driver sends it to a named address only in token mode)."""
-    first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+    first = logtext.first_line(e, type(e).__name__)
     said = f"cannot connect to Ray at {address} ({first})"
     if cfg.mode == "token":
         return said + ("; is a Ray running there, and is the token this process sends (from "
