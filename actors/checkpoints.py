@@ -120,6 +120,7 @@ class CheckpointWriter:
                 return
             f["done"] = self._finisher.submit(self._complete, f, len(ready) == len(f["refs"]))
         if not (block or f["done"].done()):
+            self._say_if_slow(f)  # the manifest's write may hang too
             return
         self.flight = None
         error = f["done"].exception()
