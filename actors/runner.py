@@ -50,7 +50,7 @@ class _Outputs:
         self.metrics = open(out / "metrics.jsonl", mode)
         self.events = open(out / "events.jsonl", mode)
         for f in (self.metrics, self.events):  # after a torn last line (a run killed mid-write): a line of its own
-            if append and f.tell() and not (out / Path(f.name).name).read_bytes().endswith(b"\n"):
+            if append and f.tell() and not _ends_a_line(Path(f.name)):
                 f.write("\n")
 
     def write(self, f, rows: list[dict]) -> None:
@@ -80,6 +80,13 @@ class _Outputs:
     def close(self) -> None:
         self.metrics.close()
         self.events.close()
+
+
+def _ends_a_line(path: Path) -> bool:
+    """The file's last byte is a newline (read alone: a long run's metrics.jsonl is large)."""
+    with open(path, "rb") as f:
+        f.seek(-1, os.SEEK_END)
+        return f.read(1) == b"\n"
 
 
 def _newest_step(path: Path) -> int:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import statistics
+import functools
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -253,55 +253,53 @@ class _Recorder:
         return self.inner.load(key)
 
 
-class _SameDtypes:
-    """On the meta device, the products and norms run whatever their operands' dtypes: a float64
-    microbatch (numpy's default) into a float32 ``nn.Linear`` passed the trace and failed on every
-    worker at step 1 (a user trial).  This mode makes them refuse, as their CPU and CUDA kernels
-    do; a norm may take a bf16 or fp16 input with float32 parameters, as those kernels allow.
-    (Convolutions, RNNs and PReLU check on meta already.)"""
+def _same_dtypes(autocast: bool = False):
+    """A dispatch mode for the meta trace.  On the meta device, the products and norms run
+    whatever their operands' dtypes: a float64 microbatch (numpy's default) into a float32
+    ``nn.Linear`` passed the trace and failed on every worker at step 1 (a user trial).  The mode
+    makes them refuse, as their CPU and CUDA kernels do; a norm may take a bf16 or fp16 input
+    with float32 parameters, as those kernels allow.  ``autocast``: the workers run under bf16
+    autocast, which casts float32, bfloat16 and float16 operands of these products to one dtype:
+    only float64 beside them is refused.  (Convolutions, RNNs and PReLU check on meta already.)"""
+    mode = _same_dtypes_mode()()
+    mode.autocast = autocast
+    return mode
 
-    _mode = None  # the mode's class, made once (torch's dispatch modules are imported only for a trace)
 
-    def __new__(cls, autocast: bool = False):
-        """``autocast``: the workers run under bf16 autocast, which casts float32, bfloat16 and
-        float16 operands of these products to one dtype: only float64 beside them is refused."""
-        if cls._mode is None:
-            cls._mode = cls._make()
-        mode = cls._mode()
-        mode.autocast = autocast
-        return mode
+@functools.cache
+def _same_dtypes_mode():
+    """The mode's class, made once (torch's dispatch modules are imported only for a trace)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
 
-    @staticmethod
-    def _make():
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
+    aten = torch.ops.aten
+    products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv, aten.dot}
+    norms = {aten.native_layer_norm, aten.native_group_norm, aten.native_batch_norm,
+             aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training}
+    low = {torch.bfloat16, torch.float16}
 
-        aten = torch.ops.aten
-        products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.addbmm, aten.mv, aten.addmv, aten.dot}
-        norms = {aten.native_layer_norm, aten.native_group_norm, aten.native_batch_norm,
-                 aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training}
-        low = {torch.bfloat16, torch.float16}
+    class SameDtypes(TorchDispatchMode):
+        autocast = False
 
-        class Mode(TorchDispatchMode):
-            @classmethod
-            def _should_skip_dynamo(cls) -> bool:  # else its dispatch is wrapped in torch._disable_dynamo,
-                return False  # whose first call imports torch._dynamo (32-88 MiB, seconds of CPU; service/lazydynamo.py)
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:  # else its dispatch is wrapped in torch._disable_dynamo,
+            return False  # whose first call imports torch._dynamo (32-88 MiB, seconds of CPU; service/lazydynamo.py)
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                packet = func.overloadpacket
-                if packet in products or packet in norms:
-                    dtypes = [a.dtype for a in tree_leaves((args, kwargs or {}))
-                              if isinstance(a, torch.Tensor) and a.is_floating_point()]
-                    if self.autocast:  # autocast casts these to one: only float64 stays apart
-                        dtypes = [d if d == torch.float64 else torch.float32 for d in dtypes]
-                    if len(set(dtypes)) > 1 and not (packet in norms and dtypes[0] in low
-                                                     and set(dtypes[1:]) <= {torch.float32, dtypes[0]}):
-                        names = ", ".join(dtype_name(d) for d in dict.fromkeys(dtypes))
-                        raise _MixedDtypes(f"{packet.__name__} of tensors of different dtypes ({names}): PyTorch's "
-                                           "kernels need them to be the same")
-                return func(*args, **(kwargs or {}))
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            packet = func.overloadpacket
+            if packet in products or packet in norms:
+                dtypes = [a.dtype for a in tree_leaves((args, kwargs or {}))
+                          if isinstance(a, torch.Tensor) and a.is_floating_point()]
+                if self.autocast:  # autocast casts these to one: only float64 stays apart
+                    dtypes = [d if d == torch.float64 else torch.float32 for d in dtypes]
+                if len(set(dtypes)) > 1 and not (packet in norms and dtypes[0] in low
+                                                 and set(dtypes[1:]) <= {torch.float32, dtypes[0]}):
+                    names = ", ".join(dtype_name(d) for d in dict.fromkeys(dtypes))
+                    raise _MixedDtypes(f"{packet.__name__} of tensors of different dtypes ({names}): PyTorch's "
+                                       "kernels need them to be the same")
+            return func(*args, **(kwargs or {}))
 
-        return Mode
+    return SameDtypes
 
 
 def _run(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool, bf16: bool = False) -> Trace:
@@ -336,7 +334,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
 
     h = x
-    with torch.enable_grad(), (_SameDtypes(bf16) if on_meta else contextlib.nullcontext()):  # what autograd saves is what a microbatch in flight holds
+    with torch.enable_grad(), (_same_dtypes(bf16) if on_meta else contextlib.nullcontext()):  # what autograd saves is what a microbatch in flight holds
         for i in range(count):
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])
