@@ -457,6 +457,10 @@ class JobManager:
         job = self.get(tenant, job_id)
         state = JobState(job["state"])
         if state.is_terminal:
+            if state is JobState.SUCCEEDED and self.store.events_of(job_id, ["finish_requested"]):
+                # it finished early as asked (by this request's twin a moment ago, or an earlier
+                # one): the same answer whichever request came last, not a 409 decided by timing
+                return job
             raise Conflict(f"job {job_id} already ended {state.value}; only a job that trains can be finished early")
         if state is JobState.QUEUED:
             raise Conflict(f"job {job_id} is QUEUED: it has no workers to write its model out; cancel it (its "
