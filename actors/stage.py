@@ -343,6 +343,14 @@ class StepRunner:
         # every backward sends its input gradient before its weight gradients: the step runs as
         # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
         self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
+        # ... where their Linears' own products hold the chunk's weight-gradient work: a layer that
+        # keeps an nn.Linear for its weight and calls F.linear itself defers nothing, and its
+        # backward runs whole before the send, as textbook 1F1B's (the first step counts the rows
+        # each module sees, and _check_early weighs them as _keep_split_whole does)
+        self.early_checked = not self.sends_early
+        if not self.early_checked:
+            for vs in self.deferred:
+                deferred.count_rows(self.parts[vs], self.rows)
         sharers = cell.dp * (cell.replicas[cell.pp_rank] if cell.replicas else 1)  # workers of this stage
         self.stats_group = stats_group if sharers > 1 else None
         self.norms = RunningStats([m for vs in cell.chunks for m in norms_of(self.parts[vs])],
@@ -405,6 +413,8 @@ class StepRunner:
             self.awaiting = True
         if not self.checked_cover:
             self._keep_split_whole()
+        if not self.early_checked:
+            self._check_early()
         if self.tp is not None:
             with talking_to_peers(f"summing the gradients of step {step + 1} over the stage's tensor-parallel group"):
                 self.tp.after_backward(self.named)
@@ -446,6 +456,18 @@ class StepRunner:
         self.trying = {vs: cover[vs] for vs in sorted(self.splittable) if cover[vs] < deferred.LINEAR_COVER}
         self._split_mode("torch")
         self.trial = list(schedules.SPLIT_TRIAL) if self.trying else []
+
+    def _check_early(self) -> None:
+        """After the first step of a schedule without W actions: its backwards send their input
+        gradients early only where each chunk's Linears that ran hold ``deferred.LINEAR_COVER`` of
+        its weight-gradient work (``deferred.covered``); otherwise the steps report textbook
+        1F1B's plan (its bubble), as they ran."""
+        self.early_checked = True
+        for vs in self.deferred:
+            deferred.forget_rows(self.parts[vs])
+        self.sends_early = all(deferred.covered(self.parts[vs], self.rows) >= deferred.LINEAR_COVER
+                               for vs in self.deferred if self.params[vs])
+        self.rows = {}
 
     def _split_mode(self, mode: str) -> None:
         """The chunks under trial split their backward torch's way ("torch") or with the Linears'

@@ -101,6 +101,56 @@ def pytest_runtest_teardown(item, nextitem):
     yield  # the test's own fixtures first (they may remove nodes)
     if _SIMULATED["cluster"] is not None and (nextitem is None or SIMULATED not in nextitem.fixturenames):
         _stop_simulated_cluster()
+    elif nextitem is not None and nextitem.module is not item.module:  # its module's fixtures are gone too
+        _free_the_session_rays_slots(item)
+
+
+def _free_the_session_rays_slots(item, wait_s: float = 30.0) -> None:
+    """Between two modules, every CPU slot of the session's Ray is free again: a job a module's
+    tests (or its server) left running held 2 of the 8 slots through the rest of one run, and four
+    tests of other modules that need free slots failed after waiting for them (2026-12-01).  What
+    still holds slots after ``wait_s`` is named on the terminal, with the module that left it,
+    and then stopped, so that it costs that module's run and no other's."""
+    import time
+
+    import ray
+
+    if not ray.is_initialized():
+        return
+    deadline = time.monotonic() + wait_s
+    total = ray.cluster_resources().get("CPU", 0)
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.25)
+    free = ray.available_resources().get("CPU", 0)
+    if free >= total:
+        return
+    # (Ray's state API needs the dashboard, which the session's Ray does not run: its GCS tables)
+    actors = {k: v for k, v in ray._private.state.actors().items()
+              if v.get("State") == "ALIVE"
+              and (v.get("ActorClassName") or "").rsplit(".", 1)[-1] in ("JobScheduler", "StageWorker")}
+    groups = {k: v for k, v in ray.util.placement_group_table().items() if v.get("state") != "REMOVED"}
+    said = (f"!!! {item.module.__name__} left {total - free:g} of the session Ray's {total:g} CPU slots held "
+            f"{wait_s:.0f} s after its last test: actors {[(v['ActorClassName'], v.get('Name')) for v in actors.values()]}, "
+            f"placement groups {[v.get('name') for v in groups.values()]}; stopping them !!!")
+    reporter = item.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(said)
+    worker = ray._private.worker.global_worker
+    for actor_id in actors:
+        try:
+            worker.core_worker.kill_actor(ray.ActorID.from_hex(actor_id), True)
+        except Exception:  # noqa: BLE001 - gone meanwhile
+            pass
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id in groups:
+        try:
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        except Exception:  # noqa: BLE001
+            pass
+    deadline = time.monotonic() + 15
+    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+        time.sleep(0.25)
 
 
 def with_nodes(cluster, n):

@@ -163,6 +163,30 @@ def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, t
     assert "keeps torch's split of the backward, every weight gradient in W: the fastest step took" in e["message"]
 
 
+def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session, tmp_path):
+    """1F1B over layers that keep an nn.Linear and call F.linear: nothing is left for after the
+    send, so each backward sends its input gradient once all its weight gradients are done, and
+    the rows report textbook 1F1B's plan (1/5 at p = 2, M = 4), not the early sends' (1/7, which
+    they reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran 11.1%'s plan);
+    worker 0 waits for the whole backward of worker 1 (its weight gradients' 10 ms included)."""
+    ms = 10.0
+    d = spec_of(1, 2, "1f1b", "collective", steps=2, parallelism={"partition": [3, 3]}).model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": ms}},
+             data={"kind": "digits"}, loss="cross_entropy")
+    d["training"]["microbatch_size"] = 16
+    spec = parse_spec(d)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert not any(r.get("sends_early") for r in rows)
+    assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 5] * 2)
+    lanes = final["timelines"][-1]["workers"]
+    first_b = next(t0 for a, t0, _ in lanes["w0.0"] if a == "0B0")
+    its_b = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == "1B0")
+    assert first_b >= its_b[1] and its_b[1] - its_b[0] >= 2 * ms / 1e3  # its two layers' weight gradients
+
+
 def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ray_session, tmp_path):
     """Two Conv2d layers and a Linear head, a conv on each worker: the head holds 93% of the last
     chunk's weights but a fifth of its weight-gradient work (a kernel is applied at every
