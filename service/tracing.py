@@ -92,7 +92,7 @@ class Trace:
     saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
     skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
     norms: frozenset = frozenset()  # layers holding a BatchNorm with running statistics (training.batch_norm)
-    linears: frozenset = frozenset()  # layers holding a plain Linear (plain_linear): their weight gradients can wait
+    linears: frozenset = frozenset()  # layers where a plain Linear (plain_linear) ran: their weight gradients can wait
     state: list = dataclasses.field(default_factory=list)  # each layer's state_dict: {key in the layer: shape}
     # the whole model's state_dict (what its checkpoints hold): {name: shape}; service/loading.py preflight
     model_state: dict = dataclasses.field(default_factory=dict)
@@ -329,6 +329,7 @@ def _other_arguments(layer: nn.Module) -> list:
 
 def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool, bf16: bool = False) -> Trace:
     metas, flops, io, saved = [], [], [], []
+    ran_linears: set = set()  # layers in which a plain Linear's own forward ran (not one whose weight F.linear takes)
     from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
 
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
@@ -338,6 +339,8 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
         for i in range(count):
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])
+            hooks = [m.register_forward_hook(lambda *_, i=i: ran_linears.add(i))
+                     for m in layers[i].modules() if plain_linear(m)]
             try:
                 with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(keep.pack, _same):
                     h = layers[i](h.clone() if h.requires_grad and changes_input_in_place(layers[i]) else h)
@@ -371,6 +374,9 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                                  f"the model fails on a microbatch of the data (x of shape {tuple(x.shape)}, dtype "
                                  f"{x.dtype}): layer {i} ({type(layers[i]).__name__}){given} raised "
                                  f"{type(e).__name__}: {e}{hint}") from None
+            finally:
+                for hook in hooks:
+                    hook.remove()
             if not isinstance(h, torch.Tensor):
                 raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "
                                  "a pipeline passes one tensor from layer to layer (return only the hidden states)")
@@ -387,7 +393,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
         raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
     norms = frozenset(i for i in range(count) if norms_of(layers[i]))
-    linears = frozenset(i for i in range(count) if any(plain_linear(m) for m in layers[i].modules()))
+    linears = frozenset(ran_linears)
     state = [{k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # get_extra_state: any object
               for k, v in layers[i].state_dict().items()} for i in range(count)]
     return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,

@@ -179,6 +179,14 @@ def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
     assert on_gpus.gpu and not on_gpus.early([(0, 3), (3, 7)], dp=2) and on_gpus.early([(0, 3), (3, 7)], dp=1)
     told = {**spec, "resources": {"gpus_per_worker": 1}}
     assert learn(parse_spec(told), []).facts.gpu and not learn(parse_spec(told), [], gpu=False).facts.gpu
+    # a layer that holds an nn.Linear for its weight and calls F.linear itself does not count: its
+    # weight gradient is computed in the backward, before the send (as actors/stage.py finds too)
+    from tests.conftest import FIXTURES
+
+    functional = {**spec, "model": {"builder": "userpkg.models:functional_linears", "args": {"layers": 4}}}
+    facts = learn(parse_spec(functional), [FIXTURES]).facts
+    assert facts.linears == frozenset({0, 5})  # Linear, 4 x FunctionalLinear, Linear
+    assert not facts.early([(0, 1), (1, 5), (5, 6)])  # the middle chunk's weights wait for nothing
 
 
 def test_interleaved_divides_the_bubble_by_v_and_pays_more_hops():
