@@ -332,23 +332,19 @@ class StepRunner:
         # in B; the first chunk has no input gradient, so its whole backward is its W, unless W's are grouped)
         self.splittable = {vs for vs in self.parts if own_grads and self.params[vs] and (vs > 0 or cell.weight_group > 1)
                            } if cell.split else set()
-        self.checked_cover = not self.splittable
+        # every backward sends its input gradient before its weight gradients: the step runs as
+        # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
+        # ... where their Linears' own products hold the chunk's weight-gradient work: a layer that
+        # keeps an nn.Linear for its weight and calls F.linear itself defers nothing, and its
+        # backward runs whole before the send, as textbook 1F1B's (_check_early, after the first step)
+        self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
+        # the first step counts the rows each module of a deferred chunk sees (for either check)
+        self.checked_cover = not (self.splittable or self.sends_early)
         self.rows: dict = {}
         self.trial: list = []  # the modes still to try, in order
         self.trying: dict = {}  # the chunks under trial -> the share of their weight-gradient work the Linears hold
         self.awaiting = False  # the trial ended; the scheduler's choice has not come yet
         if not self.checked_cover:
-            for vs in self.deferred:
-                deferred.count_rows(self.parts[vs], self.rows)
-        # every backward sends its input gradient before its weight gradients: the step runs as
-        # service/schedules.py sends_early models it (reported with each step: the plan's bubble)
-        self.sends_early = not cell.split and all(vs in self.deferred or not self.params[vs] for vs in self.parts)
-        # ... where their Linears' own products hold the chunk's weight-gradient work: a layer that
-        # keeps an nn.Linear for its weight and calls F.linear itself defers nothing, and its
-        # backward runs whole before the send, as textbook 1F1B's (the first step counts the rows
-        # each module sees, and _check_early weighs them as _keep_split_whole does)
-        self.early_checked = not self.sends_early
-        if not self.early_checked:
             for vs in self.deferred:
                 deferred.count_rows(self.parts[vs], self.rows)
         sharers = cell.dp * (cell.replicas[cell.pp_rank] if cell.replicas else 1)  # workers of this stage
@@ -412,9 +408,7 @@ class StepRunner:
             self._split_mode("torch")
             self.awaiting = True
         if not self.checked_cover:
-            self._keep_split_whole()
-        if not self.early_checked:
-            self._check_early()
+            self._keep_split_whole() if c.split else self._check_early()
         if self.tp is not None:
             with talking_to_peers(f"summing the gradients of step {step + 1} over the stage's tensor-parallel group"):
                 self.tp.after_backward(self.named)
@@ -447,12 +441,8 @@ class StepRunner:
         compute, and the Linears' own products, with the other weight gradients in B.  Such
         chunks try both in the next steps (``schedules.SPLIT_TRIAL``, reported as ``split_trial`` with
         each step); the scheduler times the steps and sends its choice (``run``'s ``split``)."""
-        self.checked_cover = True
         cover = {vs: 0.0 for vs in self.splittable}  # no plain Linear ran: nothing for W but torch's split
-        for vs in sorted(self.deferred):
-            deferred.forget_rows(self.parts[vs])
-            cover[vs] = deferred.covered(self.parts[vs], self.rows)
-        self.rows = {}
+        cover.update(self._covers())
         self.trying = {vs: cover[vs] for vs in sorted(self.splittable) if cover[vs] < deferred.LINEAR_COVER}
         self._split_mode("torch")
         self.trial = list(schedules.SPLIT_TRIAL) if self.trying else []
@@ -462,12 +452,19 @@ class StepRunner:
         gradients early only where each chunk's Linears that ran hold ``deferred.LINEAR_COVER`` of
         its weight-gradient work (``deferred.covered``); otherwise the steps report textbook
         1F1B's plan (its bubble), as they ran."""
-        self.early_checked = True
-        for vs in self.deferred:
+        covers = self._covers()
+        self.sends_early = all(covers[vs] >= deferred.LINEAR_COVER for vs in self.deferred if self.params[vs])
+
+    def _covers(self) -> dict:
+        """After the first step: each deferred chunk -> the share of its weight-gradient work its
+        Linears that ran hold (``deferred.covered``, by the rows counted); the counting ends."""
+        self.checked_cover = True
+        covers = {}
+        for vs in sorted(self.deferred):
             deferred.forget_rows(self.parts[vs])
-        self.sends_early = all(deferred.covered(self.parts[vs], self.rows) >= deferred.LINEAR_COVER
-                               for vs in self.deferred if self.params[vs])
+            covers[vs] = deferred.covered(self.parts[vs], self.rows)
         self.rows = {}
+        return covers
 
     def _split_mode(self, mode: str) -> None:
         """The chunks under trial split their backward torch's way ("torch") or with the Linears'

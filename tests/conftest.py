@@ -117,11 +117,15 @@ def _free_the_session_rays_slots(item, wait_s: float = 30.0) -> None:
 
     if not ray.is_initialized():
         return
-    deadline = time.monotonic() + wait_s
     total = ray.cluster_resources().get("CPU", 0)
-    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.25)
-    free = ray.available_resources().get("CPU", 0)
+
+    def free_within(seconds: float) -> float:
+        deadline = time.monotonic() + seconds
+        while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
+            time.sleep(0.25)
+        return ray.available_resources().get("CPU", 0)
+
+    free = free_within(wait_s)
     if free >= total:
         return
     # (Ray's state API needs the dashboard, which the session's Ray does not run: its GCS tables)
@@ -148,9 +152,7 @@ def _free_the_session_rays_slots(item, wait_s: float = 30.0) -> None:
             ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
         except Exception:  # noqa: BLE001
             pass
-    deadline = time.monotonic() + 15
-    while ray.available_resources().get("CPU", 0) < total and time.monotonic() < deadline:
-        time.sleep(0.25)
+    free_within(15)
 
 
 def with_nodes(cluster, n):
