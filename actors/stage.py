@@ -451,9 +451,17 @@ class StepRunner:
         """After the first step of a schedule without W actions: its backwards send their input
         gradients early only where each chunk's Linears that ran hold ``deferred.LINEAR_COVER`` of
         its weight-gradient work (``deferred.covered``); otherwise the steps report textbook
-        1F1B's plan (its bubble), as they ran."""
+        1F1B's plan (its bubble), as they run.  A chunk under that share stops deferring its
+        Linears' products, so that its last backward of a step splits torch's way and sends its
+        input gradient before the weight gradients, as a chunk without Linears does (deferring
+        would run that backward whole first: the Linears that call ``F.linear`` leave nothing
+        for after the send)."""
         covers = self._covers()
         self.sends_early = all(covers[vs] >= deferred.LINEAR_COVER for vs in self.deferred if self.params[vs])
+        for vs, share in covers.items():
+            if share < deferred.LINEAR_COVER and self.params[vs]:
+                deferred.uninstall(self.parts[vs])
+                self.deferred.discard(vs)
 
     def _covers(self) -> dict:
         """After the first step: each deferred chunk -> the share of its weight-gradient work its

@@ -168,7 +168,8 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
     send, so each backward sends its input gradient once all its weight gradients are done, and
     the rows report textbook 1F1B's plan (1/5 at p = 2, M = 4), not the early sends' (1/7, which
     they reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran 11.1%'s plan);
-    worker 0 waits for worker 1's backward with its layers' weight gradients (10 ms each)."""
+    worker 0 waits for worker 1's backward with its layers' weight gradients (10 ms each), except
+    in the step's last backward, which splits torch's way and sends first."""
     ms = 10.0
     d = spec_of(1, 2, "1f1b", "collective", steps=2, parallelism={"partition": [3, 3]}).model_dump(mode="json")
     d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": ms}},
@@ -187,6 +188,13 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
     # the send waits for its two FunctionalLinears' weight gradients (only the head's own Linear
     # product is left for after it, 0.3 ms): worker 0 starts 0B0 no sooner
     assert first_b >= its_b[0] + 2 * ms / 1e3, (first_b - its_b[0], its_b)
+    # ... but the step's last backward splits torch's way (the chunk defers no Linear after the
+    # first step): its input gradient goes before the weight gradients, which worker 0's last
+    # backward no longer waits for (before, it started after worker 1's whole box)
+    last = spec.microbatches - 1
+    first_last = next(t0 for a, t0, _ in lanes["w0.0"] if a == f"0B{last}")
+    its_last = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == f"1B{last}")
+    assert first_last <= its_last[1] - 1.5 * ms / 1e3, (its_last[1] - first_last, its_last)
 
 
 def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ray_session, tmp_path):
