@@ -414,10 +414,15 @@ class JobManager:
 
         job = self.get(tenant, job_id)
         if JobState(job["state"]).is_terminal:
+            if job["state"] == JobState.CANCELLED.value:
+                # cancelled already (by this request's twin a moment ago, a retry after a lost
+                # answer, or an earlier one): the same answer whichever came last, nothing written
+                return job
             raise Conflict(f"job {job_id} already ended {job['state']}; only active jobs can be cancelled")
         # first on record: a job whose scheduler is lost while it stops is never restarted
-        with self._requests:
-            self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
+        with self._requests:  # a second cancel of a job still stopping writes no second request
+            if not self.store.events_of(job_id, ["cancel_requested"]):
+                self.store.add_events(job_id, [{"type": "cancel_requested", "message": f"cancel requested by {tenant}"}])
         actor = launch.find_scheduler(job_id)
         # a scheduler still starting (importing, or waiting for a CPU) has placed nothing yet:
         # the job goes now, rather than after its scheduler came up only to stop (5-10 s).  Only a
