@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from actors.collectives import got_gradient
-from service import tracing
+from service import schedules, tracing
 
 
 class Pending:
@@ -154,41 +154,21 @@ def install(part: nn.Module, pending: Pending) -> int:
 
 
 # the share of a chunk's weight-gradient work its Linears' own products must hold for a split
-# schedule to leave them alone (``covered``); below it, the chunk tries both torch's
-# stage_backward_input / stage_backward_weight, where every weight gradient waits for W, and the
-# own products, and keeps the faster (service/schedules.py SPLIT_TRIAL, choose_split)
-LINEAR_COVER = 0.9
-
-
-def _rows_hook(rows: dict):
-    def hook(m: nn.Module, args, out) -> None:
-        if id(m) not in rows:
-            t = _first_tensor(out)
-            if t is not None:
-                # the rows a weight is applied to: a conv's output positions, otherwise every
-                # entry but the last dimension's (tokens, batch rows)
-                ch = 1 if isinstance(m, nn.modules.conv._ConvNd) and t.dim() > 2 else -1
-                rows[id(m)] = t.numel() // max(t.shape[ch], 1) if t.dim() else 1
-    hook.relaytrain_rows = True
-    return hook
-
-
-def _first_tensor(out):
-    if isinstance(out, torch.Tensor):
-        return out
-    for v in (out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()):
-        if isinstance(v, torch.Tensor):
-            return v
-    return None
+# schedule to leave them alone (``covered``), and for 1F1B's backwards to send early; below it,
+# a split schedule's chunk tries both torch's stage_backward_input / stage_backward_weight, where
+# every weight gradient waits for W, and the own products, and keeps the faster
+# (service/schedules.py SPLIT_TRIAL, choose_split); the planner weighs the traced layers alike
+LINEAR_COVER = schedules.LINEAR_COVER
 
 
 def count_rows(part: nn.Module, rows: dict) -> None:
     """Forward hooks on every module of ``part`` recording in ``rows`` (the module's id -> rows)
     the rows of its first output, the first time it runs: what ``covered`` weighs each weight
-    by.  Hooks of an earlier call are dropped first; ``forget_rows`` (and ``uninstall``) drop them."""
+    by (``tracing.rows_hook``).  Hooks of an earlier call are dropped first; ``forget_rows``
+    (and ``uninstall``) drop them."""
     forget_rows(part)
     for m in part.modules():
-        m.register_forward_hook(_rows_hook(rows))
+        m.register_forward_hook(tracing.rows_hook(rows))
 
 
 def forget_rows(part: nn.Module) -> None:
@@ -197,40 +177,11 @@ def forget_rows(part: nn.Module) -> None:
             del m._forward_hooks[k]
 
 
-def _grad_work(m: nn.Module, q: torch.Tensor, rows: Optional[int]) -> float:
-    """A weight's gradient's multiply-adds for ``rows`` rows: a matrix's (a Linear's, a conv's
-    kernel, an attention's projections) 2 x rows x its elements; a vector's (a bias, a norm's
-    scale) or an embedding table's (a scatter into the rows looked up) rows x its last dimension."""
-    if rows is None:
-        return 0.0
-    if q.dim() >= 2 and not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
-        return 2.0 * rows * q.numel()
-    return float(rows * (q.shape[-1] if q.dim() else 1))
-
-
 def covered(part: nn.Module, rows: dict) -> float:
-    """The share of ``part``'s weight-gradient work (``_grad_work``, by the rows ``count_rows``
-    saw) held by its Linears whose forward went through ``_Linear`` (``install``ed, and called:
-    ``rows`` holds them): what a split backward can leave for W.  Weighed by work, not by elements: a Conv2d's small kernel, applied
-    at every position of its image, can cost more than a Linear head ten times its size.  A
-    module that never ran itself (a Linear whose weight its parent passes to ``F.linear``) is
-    weighed by its parent's rows; a weight no running module holds counts nothing."""
-    seen: set = set()
-    mine = total = 0.0
-
-    def walk(m: nn.Module, inherited: Optional[int]) -> None:
-        nonlocal mine, total
-        r = rows.get(id(m), inherited)
-        own = "forward" in m.__dict__ and tracing.plain_linear(m)
-        for q in m.parameters(recurse=False):
-            if q.requires_grad and id(q) not in seen:
-                seen.add(id(q))
-                work = _grad_work(m, q, r)
-                total += work
-                mine += work if own and id(m) in rows else 0.0
-        for c in m.children():
-            walk(c, r)
-    walk(part, None)
+    """The share of ``part``'s weight-gradient work (by the rows ``count_rows`` saw) held by its
+    Linears whose forward went through ``_Linear`` (``install``ed, and called: ``rows`` holds
+    them): what a split backward can leave for W (``tracing.weighed``)."""
+    mine, total = tracing.weighed(part, rows, lambda m: "forward" in m.__dict__ and tracing.plain_linear(m))
     return mine / total if total else 1.0
 
 

@@ -158,7 +158,7 @@ def learn(spec: JobSpec, search: list[str], gpu: Optional[bool] = None) -> Layer
                                skips=[(s.stasher, s.popper, tracing.nbytes(*s.meta)) for s in t.skips],
                                gathers=t.norms if spec.training.batch_norm == "global" else frozenset(),
                                # under bf16 autocast autograd computes every gradient (actors/stage.py)
-                               linears=None if spec.training.precision == "bf16" else t.linears,
+                               linear_work=None if spec.training.precision == "bf16" else t.grad_work,
                                gpu=bool(spec.resources.gpus_per_worker) if gpu is None else gpu)
     metas = [(tuple(shape), tracing.dtype_name(dtype)) for shape, dtype in t.metas]
     skips = [(s.stasher, s.popper, s.name, s.at, (tuple(s.meta[0]), tracing.dtype_name(s.meta[1]))) for s in t.skips]

@@ -22,7 +22,8 @@ steps from the 11th are timed, and the table says which split was kept.
 
     .venv/bin/python bench/schedules_paced.py [--ms 4 8 16] [--pps 2 4] [--steps 16]
 
-Writes bench/results/schedules_paced.{json,txt}.
+Writes bench/results/schedules_paced.{json,txt}; a run of other sizes or schedules than the
+defaults writes them under its own name (``schedules_paced_p2_m8.txt``).
 """
 from __future__ import annotations
 
@@ -197,9 +198,20 @@ def main() -> None:
     text = "\n".join(lines)
     print(text)
     out = BENCH / "results"
-    (out / "schedules_paced.txt").write_text(text + "\n")
-    (out / "schedules_paced.json").write_text(json.dumps(
+    name = "schedules_paced" + _subset(args, ap)
+    (out / f"{name}.txt").write_text(text + "\n")
+    (out / f"{name}.json").write_text(json.dumps(
         {"machine": facts, "seconds": time.time() - t_start, "rows": rows}, indent=1))
+    print(f"wrote bench/results/{name}.txt and .json")
+
+
+def _subset(args, ap) -> str:
+    """"" for the whole default run; else what it ran, e.g. "_p2_m8" (a subset does not
+    overwrite the whole run's results, which the README cites)."""
+    parts = [f"{flag}{'-'.join(map(str, getattr(args, dest)))}" for flag, dest in
+             (("p", "pps"), ("m", "ms"), ("mbs", "mbs"), ("steps", "steps"), ("", "schedules"))
+             if getattr(args, dest) != ap.get_default(dest)]
+    return "".join(f"_{x}" for x in parts)
 
 
 if __name__ == "__main__":

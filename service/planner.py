@@ -74,20 +74,25 @@ class LayerFacts:
     skips: Sequence[tuple] = ()
     # training.batch_norm: global: the layers holding a BatchNorm, where a stage waits for all its microbatches
     gathers: frozenset = frozenset()
-    # the layers holding a plain Linear (service/tracing.py plain_linear), whose weight gradients
-    # the workers compute after sending the input gradient; None: not known, or not so computed
-    # (bf16), and the plans are the textbook ones
-    linears: Optional[frozenset] = None
+    # each layer's weight-gradient work (service/tracing.py weighed): (its plain Linears', which the
+    # workers compute after sending the input gradient; all of it); None: not known, or not so
+    # computed (bf16), and the plans are the textbook ones
+    linear_work: Optional[Sequence[tuple[float, float]]] = None
     gpu: bool = False                 # the workers start the gradient sum during backward when dp > 1 (no early sends)
 
     def early(self, bounds: Sequence[tuple[int, int]], dp: int = 1, chunks: int = 1) -> bool:
         """Whether workers holding the chunks ``bounds`` send each input gradient before their
-        weight gradients (actors/stage.py ``sends_early``): every chunk with parameters holds a
-        plain Linear, and the gradient sum does not start during backward (GPU, dp > 1, one chunk)."""
-        if self.linears is None or (self.gpu and dp > 1 and chunks == 1):
+        weight gradients (actors/stage.py ``sends_early``): in every chunk with parameters, plain
+        Linears hold ``schedules.LINEAR_COVER`` of the weight-gradient work (the workers' own rule,
+        actors/deferred.py ``covered``), and the gradient sum does not start during backward (GPU,
+        dp > 1, one chunk)."""
+        if self.linear_work is None or (self.gpu and dp > 1 and chunks == 1):
             return False
-        return all(any(i in self.linears for i in range(lo, hi)) or not any(self.param_bytes[lo:hi])
-                   for lo, hi in bounds)
+        for lo, hi in bounds:
+            mine, total = (sum(w[k] for w in self.linear_work[lo:hi]) for k in (0, 1))
+            if any(self.param_bytes[lo:hi]) and total and mine < schedules.LINEAR_COVER * total:
+                return False
+        return True
 
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its

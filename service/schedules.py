@@ -352,8 +352,14 @@ def sends_early(schedule: Schedule) -> Schedule:
     return Schedule(schedule.name, schedule.stages, schedule.microbatches, order, schedule.chunks)
 
 
+# the share of a chunk's weight-gradient work its plain Linears must hold for the chunk's weight
+# gradients to wait until after its input gradient is sent (actors/deferred.py computes those
+# Linears' products itself): the workers weigh each chunk so after their first step
+# (deferred.covered), the planner the traced layers (service/tracing.py weighed; planner.LayerFacts.early)
+LINEAR_COVER = 0.9
+
 # a chunk of a split schedule whose Linears hold too little of its weight-gradient work
-# (actors/deferred.py LINEAR_COVER) has two ways to split its backward: torch's (all its weight gradients wait for W,
+# (under LINEAR_COVER) has two ways to split its backward: torch's (all its weight gradients wait for W,
 # at the cost of a second pass through the graph: 12-31 % more compute for convolutions on a CPU,
 # bench/split_backward.py) or the Linears' own products (no extra compute, the rest of its weight
 # gradients in B).  Which makes the faster step depends on the device and on how much bubble

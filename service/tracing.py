@@ -39,6 +39,66 @@ def plain_linear(m: nn.Module) -> bool:
     return isinstance(m, nn.Linear) and type(m).forward in LINEAR_FORWARDS
 
 
+def rows_hook(rows: dict):
+    """A forward hook recording in ``rows`` (module id -> rows) the rows of the module's first
+    output, the first time it runs: the rows a weight is applied to, a conv's output positions,
+    otherwise every entry but the last dimension's (tokens, batch rows)."""
+    def hook(m: nn.Module, args, out) -> None:
+        if id(m) not in rows:
+            t = _first_tensor(out)
+            if t is not None:
+                ch = 1 if isinstance(m, nn.modules.conv._ConvNd) and t.dim() > 2 else -1
+                rows[id(m)] = t.numel() // max(t.shape[ch], 1) if t.dim() else 1
+    hook.relaytrain_rows = True
+    return hook
+
+
+def _first_tensor(out):
+    if isinstance(out, torch.Tensor):
+        return out
+    for v in (out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()):
+        if isinstance(v, torch.Tensor):
+            return v
+    return None
+
+
+def _grad_work(m: nn.Module, q: torch.Tensor, rows) -> float:
+    """A weight's gradient's multiply-adds for ``rows`` rows: a matrix's (a Linear's, a conv's
+    kernel, an attention's projections) 2 x rows x its elements; a vector's (a bias, a norm's
+    scale) or an embedding table's (a scatter into the rows looked up) rows x its last dimension."""
+    if rows is None:
+        return 0.0
+    if q.dim() >= 2 and not isinstance(m, (nn.Embedding, nn.EmbeddingBag)):
+        return 2.0 * rows * q.numel()
+    return float(rows * (q.shape[-1] if q.dim() else 1))
+
+
+def weighed(part: nn.Module, rows: dict, own: Callable[[nn.Module], bool]) -> tuple[float, float]:
+    """(the weight-gradient work of ``part``'s modules that ran (``rows`` holds them) and pass
+    ``own``, all its weight-gradient work), by the rows ``rows_hook`` saw.  Weighed by work, not
+    by elements: a Conv2d's small kernel, applied at every position of its image, can cost more
+    than a Linear head ten times its size.  A module that never ran itself (a Linear whose weight
+    its parent passes to ``F.linear``) is weighed by its parent's rows; a weight no running module
+    holds counts nothing."""
+    seen: set = set()
+    mine = total = 0.0
+
+    def walk(m: nn.Module, inherited) -> None:
+        nonlocal mine, total
+        r = rows.get(id(m), inherited)
+        counts = id(m) in rows and own(m)
+        for q in m.parameters(recurse=False):
+            if q.requires_grad and id(q) not in seen:
+                seen.add(id(q))
+                work = _grad_work(m, q, r)
+                total += work
+                mine += work if counts else 0.0
+        for c in m.children():
+            walk(c, r)
+    walk(part, None)
+    return mine, total
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """A dtype as plain data ('float32'): what a job's scheduler holds and passes on, without torch."""
     return str(dtype).removeprefix("torch.")
@@ -92,7 +152,9 @@ class Trace:
     saved_bytes: list = dataclasses.field(default_factory=list)  # what autograd keeps per layer for backward
     skips: list = dataclasses.field(default_factory=list)  # SkipFacts of the model's skips (relaytrain.skip)
     norms: frozenset = frozenset()  # layers holding a BatchNorm with running statistics (training.batch_norm)
-    linears: frozenset = frozenset()  # layers where a plain Linear (plain_linear) ran: their weight gradients can wait
+    # each layer's weight-gradient work: (its plain Linears' that ran, all of it) (``weighed``): the
+    # share whose products the workers compute after sending the input gradient
+    grad_work: list = dataclasses.field(default_factory=list)
     state: list = dataclasses.field(default_factory=list)  # each layer's state_dict: {key in the layer: shape}
     # the whole model's state_dict (what its checkpoints hold): {name: shape}; service/loading.py preflight
     model_state: dict = dataclasses.field(default_factory=dict)
@@ -329,7 +391,7 @@ def _other_arguments(layer: nn.Module) -> list:
 
 def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: bool, bf16: bool = False) -> Trace:
     metas, flops, io, saved = [], [], [], []
-    ran_linears: set = set()  # layers in which a plain Linear's own forward ran (not one whose weight F.linear takes)
+    work = []  # each layer's weight-gradient work (plain Linears that ran, all): not a Linear whose weight F.linear takes
     from torch.utils.flop_counter import FlopCounterMode  # 0.2 s of imports (triton): only where a model is traced
 
     lazydynamo.defer()  # its dispatch would import torch._dynamo (service/lazydynamo.py)
@@ -339,8 +401,8 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
         for i in range(count):
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])
-            hooks = [m.register_forward_hook(lambda *_, i=i: ran_linears.add(i))
-                     for m in layers[i].modules() if plain_linear(m)]
+            rows: dict = {}
+            hooks = [m.register_forward_hook(rows_hook(rows)) for m in layers[i].modules()]
             try:
                 with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(keep.pack, _same):
                     h = layers[i](h.clone() if h.requires_grad and changes_input_in_place(layers[i]) else h)
@@ -381,6 +443,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                 raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "
                                  "a pipeline passes one tensor from layer to layer (return only the hidden states)")
             metas.append((tuple(h.shape), h.dtype))
+            work.append(weighed(layers[i], rows, plain_linear))
             flops.append(int(fc.get_total_flops()))
             io.append(_nbytes(inp) + _nbytes(h) + _param_bytes(layers[i]))
             saved.append(keep.bytes)
@@ -393,11 +456,10 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
         raise _UserError("the loss must return a scalar tensor (the mean over the microbatch)")
     stateless = frozenset(i for i in range(count) if not layers[i].state_dict())
     norms = frozenset(i for i in range(count) if norms_of(layers[i]))
-    linears = frozenset(ran_linears)
     state = [{k: tuple(v.shape) if isinstance(v, torch.Tensor) else None  # get_extra_state: any object
               for k, v in layers[i].state_dict().items()} for i in range(count)]
     return Trace(metas, flops, [_param_bytes(layers[i]) for i in range(count)], io, stateless, on_meta, saved,
-                 norms=norms, linears=linears, state=state)
+                 norms=norms, grad_work=work, state=state)
 
 
 def _same(t):

@@ -130,7 +130,7 @@ def test_where_workers_send_input_gradients_early_the_step_is_the_early_plans():
     """Every chunk with parameters holds a plain Linear: the workers send each input gradient
     before the weight gradients (actors/stage.py sends_early), and the planner times the plan
     as they run it: 1F1B at pp = 2, M = 8 takes 26/3 units (1/13 of it idle), not 9 (1/9)."""
-    linear = dataclasses.replace(EQUAL8, linears=frozenset(range(8)))
+    linear = dataclasses.replace(EQUAL8, linear_work=[(1.0, 1.0)] * 8)
     slot = 0.040 + HOP
     assert model_shape(EQUAL8, 1, 2, 8).step_s == pytest.approx(9 * slot)  # not known: the textbook plan
     assert model_shape(linear, 1, 2, 8).step_s == pytest.approx(26 / 3 * slot)
@@ -145,10 +145,17 @@ def test_where_workers_send_input_gradients_early_the_step_is_the_early_plans():
     assert model_shape(linear, 1, 2, 8, schedule="zb_h1").step_s == model_shape(EQUAL8, 1, 2, 8, schedule="zb_h1").step_s
     # a chunk whose parameters sit in no plain Linear (layers 4-7 here) computes all its
     # gradients in one backward: the textbook plan
-    half = dataclasses.replace(EQUAL8, linears=frozenset(range(4)))
+    half = dataclasses.replace(EQUAL8, linear_work=[(1.0, 1.0)] * 4 + [(0.0, 1.0)] * 4)
     assert model_shape(half, 1, 2, 8).step_s == pytest.approx(9 * slot)
+    # ... and so does one whose Linears hold under 90% of its weight-gradient work (a Conv2d
+    # stack before a Linear head: the convolutions' kernels are applied at every position), as
+    # the workers weigh it (actors/deferred.py covered); 90% and over sends early
+    for share, early in ((0.85, False), (0.9, True)):
+        mixed = dataclasses.replace(EQUAL8, linear_work=[(1.0, 1.0)] * 4 + [(share, 1.0)] * 4)
+        assert mixed.early([(0, 4), (4, 8)]) is early
+        assert (model_shape(mixed, 1, 2, 8).step_s < 9 * slot - 1e-9) is early
     # ... unless those layers hold no parameters (activations, reshapes)
-    stateless = dataclasses.replace(half, param_bytes=[MB] * 4 + [0] * 4)
+    stateless = dataclasses.replace(half, param_bytes=[MB] * 4 + [0] * 4, linear_work=[(1.0, 1.0)] * 4 + [(0.0, 0.0)] * 4)
     assert model_shape(stateless, 1, 2, 8, partition_rule=[5, 3]).step_s < model_shape(half, 1, 2, 8, partition_rule=[5, 3]).step_s
     # tensor parallelism, replicated stages, and the gradient sum during a GPU's backward: no early sends
     assert model_shape(linear, 1, 2, 8, tp=2).step_s == pytest.approx(model_shape(EQUAL8, 1, 2, 8, tp=2).step_s)
@@ -168,10 +175,12 @@ def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
             "parallelism": {"pp": 2}}
     facts = learn(parse_spec(spec), []).facts
     # Linear, ReLU, Linear, ReLU, Linear, ReLU, Linear: the activations hold no Linear (nor parameters)
-    assert facts.linears == frozenset({0, 2, 4, 6})
+    # each Linear's weight gradient is its 2 x rows x elements multiply-adds, its bias rows x width
+    assert [mine == total > 0 for mine, total in facts.linear_work] == [True, False] * 3 + [True]
+    assert facts.linear_work[0] == (2 * 8 * 64 * 32 + 8 * 32,) * 2  # microbatches of 8 rows
     assert facts.early([(0, 3), (3, 7)])
     bf16 = learn(parse_spec({**spec, "training": {**spec["training"], "precision": "bf16"}}), []).facts
-    assert bf16.linears is None and not bf16.early([(0, 3), (3, 7)])
+    assert bf16.linear_work is None and not bf16.early([(0, 3), (3, 7)])
     # resources.gpus_per_worker unset: the scheduler says whether the cluster gave its workers GPUs; on GPUs
     # at dp > 1 the gradient sum starts during the backward, so the textbook plan is timed
     assert not facts.gpu and facts.early([(0, 3), (3, 7)], dp=2)
@@ -185,8 +194,19 @@ def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
 
     functional = {**spec, "model": {"builder": "userpkg.models:functional_linears", "args": {"layers": 4}}}
     facts = learn(parse_spec(functional), [FIXTURES]).facts
-    assert facts.linears == frozenset({0, 5})  # Linear, 4 x FunctionalLinear, Linear
+    # Linear, 4 x FunctionalLinear, Linear: the middle layers' Linears never run their own forward
+    assert [mine == total > 0 for mine, total in facts.linear_work] == [True] + [False] * 4 + [True]
+    assert all(mine == 0 < total for mine, total in facts.linear_work[1:5])
     assert not facts.early([(0, 1), (1, 5), (5, 6)])  # the middle chunk's weights wait for nothing
+    # two convolutions before a Linear head holding 93% of the chunk's weights: its Linears hold a
+    # fifth of the chunk's weight-gradient work (a kernel runs at every position), as the workers
+    # weigh it (tests/test_schedules_engine.py, the same model and cut), so 1F1B is the textbook plan
+    convs = {**spec, "model": {"builder": "userpkg.models:convs_and_a_linear_head", "args": {}},
+             "training": {**spec["training"], "microbatch_size": 16, "global_batch_size": 64}}
+    facts = learn(parse_spec(convs), [FIXTURES]).facts
+    mine, total = (sum(w[k] for w in facts.linear_work[3:10]) for k in (0, 1))
+    assert 0.1 < mine / total < 0.3, facts.linear_work
+    assert not facts.early([(0, 3), (3, 10)])
 
 
 def test_interleaved_divides_the_bubble_by_v_and_pays_more_hops():
