@@ -21,7 +21,7 @@ from api.errors import JobError
 from api.jobs import JobManager
 from api.routes import health, jobs, packages, timeline, ui
 from service import logtext
-from service.auth import Authenticator, load_tokens, load_weights
+from service.auth import Authenticator, Weights, load_tokens
 from service.settings import Settings
 from service.spec import error_message, read_yaml
 
@@ -173,8 +173,8 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
     settings = settings or Settings()
     settings.home.mkdir(parents=True, exist_ok=True)
     store = Store(settings.db_url)
-    manager = JobManager(settings, store, load_weights(settings.api_tokens, settings.tokens_file,
-                                                       settings.tenant_weights, settings.weights_file))
+    weights = Weights(settings.api_tokens, settings.tokens_file, settings.tenant_weights, settings.weights_file)
+    manager = JobManager(settings, store, weights.current)
     auth = Authenticator(load_tokens(settings.api_tokens, settings.tokens_file), settings.api_tokens,
                          settings.tokens_file)
 
@@ -190,7 +190,7 @@ def create_app(settings: Optional[Settings] = None, connect_ray: bool = True) ->
                   docs_url=None, redoc_url=None,  # served by ui.mount from this server, not a CDN
                   description="Elastic data x pipeline parallel training on Ray. Send "
                               "'Authorization: Bearer <token>' on every /v1 call.")
-    app.state.manager, app.state.auth, app.state.settings = manager, auth, settings
+    app.state.manager, app.state.auth, app.state.settings, app.state.weights = manager, auth, settings, weights
     app.state.telemetry = Telemetry()
 
     def body_limit(path: str) -> int:

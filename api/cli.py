@@ -250,8 +250,9 @@ def _serve(args) -> int:
           file=sys.stderr)
     import signal
 
-    # SIGHUP ended the server without a word (a user trial): it asks for the tokens file again
-    signal.signal(signal.SIGHUP, lambda *_: app.state.auth.reread())
+    # SIGHUP ended the server without a word (a user trial): it asks for the tokens file and the
+    # tenants' weights again
+    signal.signal(signal.SIGHUP, lambda *_: (app.state.auth.reread(), app.state.weights.reread()))
     uvicorn.run(app, host=settings.host, port=settings.port, log_level="info")
     return 0
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 from pydantic import ValidationError
 
@@ -66,10 +66,13 @@ def allotment_message(job: dict, a: fairshare.Allocation) -> str:
 
 
 class ClusterScheduler:
-    def __init__(self, settings: Settings, store: Store, weights: dict[str, float],
+    def __init__(self, settings: Settings, store: Store, weights: Union[dict[str, float], Callable[[], dict]],
                  admit: Callable[[dict, int, bool], None]):
-        """``admit(job, workers, resume)`` starts an admitted job's scheduler (api/jobs.py)."""
-        self.settings, self.store, self.weights, self.admit = settings, store, dict(weights), admit
+        """``admit(job, workers, resume)`` starts an admitted job's scheduler (api/jobs.py);
+        ``weights``: the tenants' weights, or what gives them as they are now (service/auth.py
+        ``Weights.current``: read again when their files change)."""
+        self.settings, self.store, self.admit = settings, store, admit
+        self._weights = weights if callable(weights) else (lambda fixed=dict(weights): fixed)
         self.policy = settings.queue_policy
         self._lock = threading.Lock()
         self.queue: dict[str, fairshare.Allocation] = {}   # queued job -> its place and reason
@@ -178,6 +181,10 @@ class ClusterScheduler:
 
     # ---------------------------------------------------------------- what clients see
 
+    @property
+    def weights(self) -> dict[str, float]:
+        return self._weights()
+
     def queued(self, job_id: str) -> Optional[dict]:
         a = self.queue.get(job_id)
         return {"position": a.position, "reason": a.reason} if a else None
@@ -185,10 +192,10 @@ class ClusterScheduler:
     def view(self, tenant: str) -> dict:
         """The cluster as the policy sees it: capacity, each tenant's weight, share and use,
         and the queue (other tenants' jobs without their names)."""
-        jobs = self._demands()
+        jobs, weights = self._demands(), self.weights
         tenants: dict[str, dict] = {}
         for j, _, d in jobs:
-            t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": self.weights.get(j["tenant"], 1.0),
+            t = tenants.setdefault(j["tenant"], {"tenant": j["tenant"], "weight": weights.get(j["tenant"], 1.0),
                                                  "using": 0.0, "starting": 0.0, "running": 0, "queued": 0})
             n = placed(j)
             t["using"] += n * d.per_worker

@@ -63,7 +63,8 @@ def joined_ray_message(address: str, cpus: float, local_cpus: Optional[int]) -> 
 
 
 class JobManager:
-    def __init__(self, settings: Settings, store: Store, weights: Optional[dict[str, float]] = None):
+    def __init__(self, settings: Settings, store: Store, weights=None):
+        """``weights``: the tenants' weights, or what gives them as they are now (api/cluster.py)."""
         self.settings, self.store = settings, store
         self.cluster = ClusterScheduler(settings, store, weights or {}, admit=self._admit)
         self.models = FinalModel(self.get, store)  # a SUCCEEDED job's model, for download

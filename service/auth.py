@@ -128,6 +128,73 @@ def _weights_file(p: Path, tenants: set[str]) -> dict[str, float]:
 _log = logging.getLogger("uvicorn.error")  # the server's own log
 
 
+class _Watch:
+    """Files looked at once a second at most (or at once after ``reread``): ``changed()`` says
+    whether any of them changed (modified, replaced, created or removed) since it last looked."""
+
+    def __init__(self, *files: Optional[Path]) -> None:
+        self.files = [Path(f) for f in files if f]
+        self._stamp, self._looked = self._stat(), time.monotonic()
+
+    def _stat(self) -> tuple:
+        def one(f: Path):
+            try:
+                st = f.stat()
+            except OSError:
+                return None
+            return st.st_mtime_ns, st.st_size, st.st_ino
+        return tuple(one(f) for f in self.files)
+
+    def reread(self) -> None:
+        self._looked, self._stamp = 0.0, ("asked",)
+
+    def changed(self) -> bool:
+        now = time.monotonic()
+        if not self.files or now - self._looked < 1.0:
+            return False
+        self._looked = now
+        stamp = self._stat()
+        if stamp == self._stamp:
+            return False
+        self._stamp = stamp
+        return True
+
+
+class Weights:
+    """The tenants' weights in the fair shares (``load_weights``), read again when the tokens
+    file or the weights file changes (looked at once a second at most, or at once after
+    :meth:`reread`, SIGHUP): a weight changes by editing a file, without a restart (the server
+    read them only at its start).  Files that no longer parse, or name an unknown tenant, are not
+    taken: the weights before stay, and the server's log says why."""
+
+    def __init__(self, tokens_env: str = "", tokens_file: Optional[Path] = None, weights_env: str = "",
+                 weights_file: Optional[Path] = None) -> None:
+        self._args = (tokens_env, tokens_file, weights_env, weights_file)
+        self._weights = load_weights(*self._args)
+        self._watch = _Watch(tokens_file, weights_file)
+
+    def reread(self) -> None:
+        self._watch.reread()
+
+    def current(self) -> dict[str, float]:
+        if self._watch.changed():
+            try:
+                weights = load_weights(*self._args)
+            except (TokenError, OSError) as e:
+                _log.warning("relaytrain serve: the tenants' weights changed but were not taken (%s); the weights "
+                             "before stay in force", e)
+            else:
+                if weights != self._weights:
+                    _log.warning("relaytrain serve: tenants' weights read again: %s (before: %s)",
+                                 _said(weights), _said(self._weights))
+                self._weights = weights
+        return self._weights
+
+
+def _said(weights: dict[str, float]) -> str:
+    return ", ".join(f"{t} {w:g}" for t, w in sorted(weights.items())) or "every tenant 1"
+
+
 class Authenticator:
     """Bearer tokens to tenants.  With ``tokens_file``, the file is read again when it changes
     (looked at once a second at most, or at once after :meth:`reread`): a token is rotated or
@@ -138,31 +205,18 @@ class Authenticator:
     def __init__(self, tokens: dict[str, str], tokens_env: str = "", tokens_file: Optional[Path] = None):
         self._set(tokens)
         self._env, self._file = tokens_env, Path(tokens_file) if tokens_file else None
-        self._stamp, self._looked = self._stat(), time.monotonic()
+        self._watch = _Watch(self._file)
 
     def _set(self, tokens: dict[str, str]) -> None:
         self._tokens = [(t.encode(), tenant) for t, tenant in tokens.items()]
 
-    def _stat(self):
-        try:
-            st = self._file.stat() if self._file else None
-        except OSError:
-            return None
-        return (st.st_mtime_ns, st.st_size, st.st_ino) if st else None
-
     def reread(self) -> None:
         """Look at the tokens file at the next request (SIGHUP)."""
-        self._looked, self._stamp = 0.0, ("asked",)
+        self._watch.reread()
 
     def _refresh(self) -> None:
-        now = time.monotonic()
-        if self._file is None or now - self._looked < 1.0:
+        if not self._watch.changed():
             return
-        self._looked = now
-        stamp = self._stat()
-        if stamp == self._stamp:
-            return
-        self._stamp = stamp
         try:
             tokens = load_tokens(self._env, self._file)
         except (TokenError, OSError) as e:

@@ -213,3 +213,44 @@ def test_an_admitted_job_with_no_workers_placed_shows_as_starting_not_using(tmp_
     assert allotment_message(store.get_job("waits"), a) == (
         f"{why} (it has no workers placed yet: only its allotment changes, nothing stops)")
     assert allotment_message(store.get_job("runs"), a) == why
+
+
+def test_the_tenants_weights_are_read_again_when_their_file_changes(tmp_path, caplog):
+    """A weights file edited while the server runs: the cluster's view and its next decisions
+    use the new weights (looked at once a second, or at once after SIGHUP's ``reread``); a file
+    that no longer parses keeps the weights before, and the server's log says why."""
+    import logging
+    import time
+
+    from api.cluster import ClusterScheduler
+    from service.auth import Weights
+    from service.settings import Settings
+    from service.states import JobState
+    from service.store import Store
+    from tests.test_api import small_spec
+
+    f = tmp_path / "weights.yaml"
+    f.write_text("alice: 1\nbob: 1\n")
+    tokens = "alice:" + "a" * 20 + ",bob:" + "b" * 24
+    weights = Weights(tokens, None, "", f)
+    settings = Settings(home=tmp_path)
+    store = Store(settings.db_url)
+    store.create_job("a1", "alice", small_spec("a1"), state=JobState.QUEUED)
+    store.create_job("b1", "bob", small_spec("b1"), state=JobState.QUEUED)
+    cs = ClusterScheduler(settings, store, weights.current, admit=lambda job, workers, resume: None)
+    cs.capacity = 8.0
+    shares = lambda: {t["tenant"]: (t["weight"], t["share"]) for t in cs.view("alice")["tenants"]}
+    assert shares() == {"alice": (1.0, 4.0), "bob": (1.0, 4.0)}
+    f.write_text("alice: 3\nbob: 1\n")
+    weights.reread()  # SIGHUP
+    assert shares() == {"alice": (3.0, 6.0), "bob": (1.0, 2.0)}
+    with caplog.at_level(logging.WARNING, logger="uvicorn.error"):
+        f.write_text("alice: [3\n")
+        time.sleep(1.1)  # no signal: looked at again within a second
+        assert shares() == {"alice": (3.0, 6.0), "bob": (1.0, 2.0)}
+        assert "the tenants' weights changed but were not taken (weights file" in caplog.text
+        assert "is not valid YAML" in caplog.text and "the weights before stay in force" in caplog.text
+        f.write_text("alice: 1\nbob: 2\n")
+        time.sleep(1.1)
+        assert shares() == {"alice": (1.0, 2.667), "bob": (2.0, 5.333)}  # (the view rounds to 3 places)
+        assert "tenants' weights read again: alice 1, bob 2 (before: alice 3, bob 1)" in caplog.text
