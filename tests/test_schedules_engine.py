@@ -197,6 +197,23 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
     assert first_last <= its_last[1] - 1.5 * ms / 1e3, (its_last[1] - first_last, its_last)
 
 
+@pytest.mark.parametrize("transport", ["collective", "object_store"])
+def test_1f1b_replicas_of_f_linear_layers_split_their_last_backward_and_sum_every_gradient(ray_session, tmp_path,
+                                                                                            transport):
+    """2 x 2 1F1B over layers that call F.linear: from the second step each chunk's last backward
+    of a step splits torch's way (its weight gradients written outside autograd's accumulation),
+    and the replicas still sum every weight's gradient: the numbers are one process's."""
+    d = spec_of(2, 2, "1f1b", transport, steps=3, parallelism={"partition": [3, 3]}).model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": 0.0}},
+             data={"kind": "digits"}, loss="cross_entropy")
+    spec = parse_spec(d)
+    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
+
+
 def test_convolutions_before_a_linear_head_leave_their_weight_gradients_for_w(ray_session, tmp_path):
     """Two Conv2d layers and a Linear head, a conv on each worker: the head holds 93% of the last
     chunk's weights but a fifth of its weight-gradient work (a kernel is applied at every
