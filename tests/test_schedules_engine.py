@@ -163,6 +163,22 @@ def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, t
     assert "keeps torch's split of the backward, every weight gradient in W: the fastest step took" in e["message"]
 
 
+def _functional_job(tmp_path, base, args: dict, **over) -> tuple:
+    """``base`` (a ``spec_of``) with userpkg's ``functional_linears`` (``args``) on the digits, and
+    ``over`` merged in, run: its parameters must be one process's.  (The spec, the run's report,
+    its metrics rows, the one-process reference.)"""
+    d = base.model_dump(mode="json")
+    d.update(model={"builder": "userpkg.models:functional_linears", "args": args}, data={"kind": "digits"},
+             loss="cross_entropy")
+    for k, v in over.items():
+        d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
+    spec = parse_spec(d)
+    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
+    want = reference.run(spec, search=[FIXTURES], microbatched=True)
+    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
+    return spec, final, read_jsonl(tmp_path / "metrics.jsonl"), want
+
+
 def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session, tmp_path):
     """1F1B over layers that keep an nn.Linear and call F.linear: nothing is left for after the
     send, so each backward sends its input gradient once all its weight gradients are done, and
@@ -171,15 +187,9 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
     worker 0 waits for worker 1's backward with its layers' weight gradients (10 ms each), except
     in the step's last backward, which splits torch's way and sends first."""
     ms = 10.0
-    d = spec_of(1, 2, "1f1b", "collective", steps=2, parallelism={"partition": [3, 3]}).model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": ms}},
-             data={"kind": "digits"}, loss="cross_entropy")
-    d["training"]["microbatch_size"] = 16
-    spec = parse_spec(d)
-    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    spec, final, rows, _ = _functional_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=2,
+                                                             parallelism={"partition": [3, 3]}),
+                                           {"layers": 4, "weight_grad_ms": ms}, training={"microbatch_size": 16})
     assert not any(r.get("sends_early") for r in rows)
     assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 5] * 2)
     lanes = final["timelines"][-1]["workers"]
@@ -203,14 +213,8 @@ def test_1f1b_replicas_of_f_linear_layers_split_their_last_backward_and_sum_ever
     """2 x 2 1F1B over layers that call F.linear: from the second step each chunk's last backward
     of a step splits torch's way (its weight gradients written outside autograd's accumulation),
     and the replicas still sum every weight's gradient: the numbers are one process's."""
-    d = spec_of(2, 2, "1f1b", transport, steps=3, parallelism={"partition": [3, 3]}).model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:functional_linears", "args": {"layers": 4, "weight_grad_ms": 0.0}},
-             data={"kind": "digits"}, loss="cross_entropy")
-    spec = parse_spec(d)
-    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    *_, rows, want = _functional_job(tmp_path, spec_of(2, 2, "1f1b", transport, steps=3, parallelism={"partition": [3, 3]}),
+                                     {"layers": 4, "weight_grad_ms": 0.0})
     assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
 
 
@@ -324,18 +328,12 @@ def test_replicas_that_try_torchs_split_sum_its_weight_gradients(ray_session, tm
     autograd.  Every step equals one process.  (Each replica took those weights for unused this
     step and dropped their gradients: found by a user trial, a 2x2 ZB-V GPT whose last stage was
     not updated from step 2, half the one-process gradient norm.)"""
-    d = spec_of(2, 2, "zbv", "collective", steps=4, parallelism={"partition": [2, 1, 1, 2]}).model_dump(mode="json")
     # and each of those layers holds a Linear it never calls: no gradient, so AdamW's weight decay
     # leaves it alone in one process (a W that noted every weight of a gradient bucket as used
     # gave them zero gradients, which the decay then shrank: a review)
-    d.update(model={"builder": "userpkg.models:functional_linears",
-                    "args": {"layers": 4, "weight_grad_ms": 0.0, "unused": True}},
-             data={"kind": "digits"}, loss="cross_entropy",
-             optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1})
-    spec = parse_spec(d)
-    run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    *_, rows, want = _functional_job(tmp_path, spec_of(2, 2, "zbv", "collective", steps=4,
+                                                       parallelism={"partition": [2, 1, 1, 2]}),
+                                     {"layers": 4, "weight_grad_ms": 0.0, "unused": True},
+                                     optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1})
     assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
     assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"], rel=1e-5)
