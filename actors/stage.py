@@ -451,17 +451,23 @@ class StepRunner:
         """After the first step of a schedule without W actions: its backwards send their input
         gradients early only where each chunk's Linears that ran hold ``deferred.LINEAR_COVER`` of
         its weight-gradient work (``deferred.covered``); otherwise the steps report textbook
-        1F1B's plan (its bubble), as they run.  A chunk under that share stops deferring its
-        Linears' products, so that its last backward of a step splits torch's way and sends its
-        input gradient before the weight gradients, as a chunk without Linears does (deferring
-        would run that backward whole first: the Linears that call ``F.linear`` leave nothing
-        for after the send)."""
+        1F1B's plan (its bubble), as they run.  The chunk of the worker's last backward of a
+        step, where it is under that share, has two ways to run that backward: deferring its
+        Linears' products (little is left for after the send: nothing, where its layers call
+        ``F.linear``; those products are cheaper than autograd's, and every backward sends that
+        little early), or not deferring them, so that the last backward splits torch's way and
+        sends its input gradient before all its weight gradients, at the cost of torch's second
+        pass through the graph (12-31% more compute for convolutions on a CPU).  Which makes the
+        faster step depends on the device and the model (the paced F.linear layers' 1F1B: 260
+        against 248 ms; a CNN's: 135 against 148 ms at 32 rows), so it tries both
+        (``schedules.SPLIT_TRIAL``), as a split schedule's chunks do."""
         covers = self._covers()
         self.sends_early = all(covers[vs] >= deferred.LINEAR_COVER for vs in self.deferred if self.params[vs])
-        for vs, share in covers.items():
-            if share < deferred.LINEAR_COVER and self.params[vs]:
-                deferred.uninstall(self.parts[vs])
-                self.deferred.discard(vs)
+        vs = self.final.stage if self.final is not None else None
+        if (vs in covers and covers[vs] < deferred.LINEAR_COVER and self.params[vs] and vs > 0
+                and not self.recipe.checkpointing and stage_backward_input is not None):
+            self.trying = {vs: covers[vs]}
+            self.trial = list(schedules.SPLIT_TRIAL)
 
     def _covers(self) -> dict:
         """After the first step: each deferred chunk -> the share of its weight-gradient work its

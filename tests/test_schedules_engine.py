@@ -182,28 +182,32 @@ def _functional_job(tmp_path, base, args: dict, **over) -> tuple:
 def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session, tmp_path):
     """1F1B over layers that keep an nn.Linear and call F.linear: nothing is left for after the
     send, so each backward sends its input gradient once all its weight gradients are done, and
-    the rows report textbook 1F1B's plan (1/5 at p = 2, M = 4), not the early sends' (1/7, which
-    they reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran 11.1%'s plan);
-    worker 0 waits for worker 1's backward with its layers' weight gradients (10 ms each), except
-    in the step's last backward, which splits torch's way and sends first."""
+    the rows report textbook 1F1B's plan (1/3 at p = 2, M = 2), not the early sends' (which they
+    reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran 11.1%'s plan);
+    worker 0 waits for worker 1's backward with its three layers' weight gradients (10 ms each).
+    The last chunk tries the two ways of its last backward of a step and keeps torch's split:
+    its input gradient goes first, and worker 0's last backward (10 ms) runs beside worker 1's
+    weight gradients (30 ms), not after them."""
     ms = 10.0
-    spec, final, rows, _ = _functional_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=2,
-                                                             parallelism={"partition": [3, 3]}),
-                                           {"layers": 4, "weight_grad_ms": ms}, training={"microbatch_size": 16})
+    spec, final, rows, _ = _functional_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=TRIED + 2,
+                                                             parallelism={"partition": [2, 4]}),
+                                           {"layers": 4, "weight_grad_ms": ms}, training={"microbatch_size": 32})
+    assert spec.microbatches == 2
     assert not any(r.get("sends_early") for r in rows)
-    assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 5] * 2)
+    assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 3] * (TRIED + 2))
+    [e] = [e for e in final["events"] if e["type"] == "weight_split"]
+    assert e["kept"] == "torch" and e["chunks"] == {"w0.1": [1]} and e["cover"]["w0.1"][0] < 0.5, e
+    assert "keeps torch's split of each step's last backward, its input gradient sent before all" in e["message"]
     lanes = final["timelines"][-1]["workers"]
     first_b = next(t0 for a, t0, _ in lanes["w0.0"] if a == "0B0")
     its_b = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == "1B0")
-    # the send waits for its two FunctionalLinears' weight gradients (only the head's own Linear
-    # product is left for after it, 0.3 ms): worker 0 starts 0B0 no sooner
+    # the send waits for its FunctionalLinears' weight gradients: worker 0 starts 0B0 no sooner
     assert first_b >= its_b[0] + 2 * ms / 1e3, (first_b - its_b[0], its_b)
-    # ... but the step's last backward splits torch's way (the chunk defers no Linear after the
-    # first step): its input gradient goes before the weight gradients, which worker 0's last
-    # backward no longer waits for (before, it started after worker 1's whole box)
-    last = spec.microbatches - 1
-    first_last = next(t0 for a, t0, _ in lanes["w0.0"] if a == f"0B{last}")
-    its_last = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == f"1B{last}")
+    # ... but the step's last backward splits torch's way: its input gradient goes before the
+    # weight gradients, which worker 0's last backward does not wait for (with the Linears'
+    # products deferred it starts after worker 1's whole box)
+    first_last = next(t0 for a, t0, _ in lanes["w0.0"] if a == "0B1")
+    its_last = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == "1B1")
     assert first_last <= its_last[1] - 1.5 * ms / 1e3, (its_last[1] - first_last, its_last)
 
 
