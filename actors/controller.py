@@ -353,9 +353,8 @@ class JobController:
         return self._lost(step, lost.refs, lost) if lost else Running(step + 1)
 
     def _split_trial(self, step: int, stats: dict, wall: float) -> None:
-        """The steps of a trial of the backward's two splits (actors/stage.py ``_keep_split_whole``
-        and, in a schedule without W actions, ``_check_early``: chunks whose Linears hold too
-        little of their weight-gradient work): each step's time
+        """The steps of a trial of the backward's two splits (actors/stage.py ``_keep_split_whole``:
+        chunks whose Linears hold too little of their weight-gradient work): each step's time
         counts for the split it ran; after the last, the faster is chosen (``schedules.choose_split``),
         sent with every later step call, and a ``weight_split`` event says which and why."""
         trials = {f"w{r}.{s}": st.pop("split_trial") for (r, s), st in sorted(stats.items()) if st.get("split_trial")}
@@ -368,11 +367,10 @@ class JobController:
         if at >= schedules.SPLIT_WARM:
             self.split_tried.setdefault(first["mode"], []).append(wall)
         if first["left"] == 0:
-            split = self.spec.parallelism.schedule in schedules.SPLIT
-            self.split = schedules.choose_split(self.split_tried, "torch" if split else "own")
+            self.split = schedules.choose_split(self.split_tried)
             own, theirs = min(self.split_tried["own"]), min(self.split_tried["torch"])
             chunks = {w: t["chunks"] for w, t in trials.items()}
-            self.record.event("weight_split", weight_split_message(self.split, own, theirs, trials, split), step=step + 1,
+            self.record.event("weight_split", weight_split_message(self.split, own, theirs, trials), step=step + 1,
                               kept=self.split, own_s=round(own, 4), torch_s=round(theirs, 4), chunks=chunks,
                               cover={w: t["cover"] for w, t in trials.items()})
 

@@ -159,6 +159,10 @@ def install(part: nn.Module, pending: Pending) -> int:
 # every weight gradient waits for W, and the own products, and keeps the faster
 # (service/schedules.py SPLIT_TRIAL, choose_split); the planner weighs the traced layers alike
 LINEAR_COVER = schedules.LINEAR_COVER
+# under this share a chunk of 1F1B, GPipe or interleaved defers nothing worth the while (its
+# layers call F.linear, a Linear head after them): it runs as a chunk without plain Linears,
+# its last backward of a step split torch's way (actors/stage.py ``_check_early``)
+FEW_LINEARS = 0.1
 
 
 def count_rows(part: nn.Module, rows: dict) -> None:

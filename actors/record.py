@@ -193,24 +193,13 @@ def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = F
     return float(schedules.simulate(schedules.sends_early(plan) if early else plan).bubble)
 
 
-def weight_split_message(kept: str, own: float, theirs: float, trials: dict, split: bool = True) -> str:
+def weight_split_message(kept: str, own: float, theirs: float, trials: dict) -> str:
     """The ``weight_split`` event's text: which split of the backward the model chunks that tried
     both keep (``trials``: worker -> its ``split_trial`` report; ``own``, ``theirs``: the fastest
-    step with each, s; actors/controller.py ``_split_trial``).  ``split``: a schedule with W
-    actions; else 1F1B / GPipe / interleaved, whose chunks tried the two ways of their last
-    backward of a step (actors/stage.py ``_check_early``)."""
+    step with each, s; actors/controller.py ``_split_trial``)."""
     parts = [f"{w} chunk {c} (its Linears hold {share:.0%} of its weight-gradient work)"
              for w, t in trials.items() for c, share in zip(t["chunks"], t["cover"])]
     keeps = "keeps" if len(parts) == 1 else "keep"
-    if not split:
-        fast = (f"the fastest step took {theirs * 1e3:.1f} ms so, {own * 1e3:.1f} ms with the Linears' products "
-                f"after each send" if kept == "torch" else
-                f"the fastest step took {own * 1e3:.1f} ms so, {theirs * 1e3:.1f} ms with torch's split of the last backward")
-        how = (f"{keeps} torch's split of each step's last backward, its input gradient sent before all its weight "
-               f"gradients" if kept == "torch" else
-               f"{keeps} the Linears' own weight products after each backward's send, the other weight gradients "
-               f"before it")
-        return f"after trying both ways of the last backward of a step, {', '.join(parts)} {how}: {fast}"
     if kept == "torch":
         how = (f"{keeps} torch's split of the backward, every weight gradient in W: the fastest step took "
                f"{theirs * 1e3:.1f} ms so, {own * 1e3:.1f} ms with only the Linears' weight products in W")

@@ -371,15 +371,12 @@ SPLIT_WARM = 1  # the trial's first steps, not counted
 OWN_SPLIT_MARGIN = 0.02
 
 
-def choose_split(tried: dict, means: str = "torch") -> str:
+def choose_split(tried: dict) -> str:
     """The split the chunks under trial keep, from the trial's step times (``tried``: mode ->
     seconds of each counted step): the one whose fastest step was faster (the noise of a
-    shared machine only adds time); the other must win by ``OWN_SPLIT_MARGIN``, or the split the
-    schedule means stays (``means``: a split schedule's is torch's, every weight gradient in W;
-    1F1B's, GPipe's and interleaved's is "own", the Linears' products deferred, the backward
-    otherwise whole, as before their chunks tried the other way of their last backward)."""
-    other = "own" if means == "torch" else "torch"
-    return other if min(tried[other]) < (1.0 - OWN_SPLIT_MARGIN) * min(tried[means]) else means
+    shared machine only adds time); the own products must win by
+    ``OWN_SPLIT_MARGIN``, or the split the schedule means (torch's, every weight gradient in W) stays."""
+    return "own" if min(tried["own"]) < (1.0 - OWN_SPLIT_MARGIN) * min(tried["torch"]) else "torch"
 
 
 def _check_sizes(stages: int, microbatches: int) -> None:

@@ -568,18 +568,3 @@ def test_after_the_trial_the_faster_split_is_kept_and_torch_s_unless_the_own_pro
                     "w0.2 chunk 5 (its Linears hold 50% of its weight-gradient work) keep torch's split of the "
                     "backward, every weight gradient in W: the fastest step took 179.6 ms so, 199.0 ms with only "
                     "the Linears' weight products in W")
-    # 1F1B, GPipe and interleaved mean the Linears' own products: torch's split of their last
-    # backward of a step must win by the margin
-    assert S.choose_split({"torch": [0.100], "own": [0.0985]}, "own") == "own"
-    assert S.choose_split({"torch": [0.0985], "own": [0.100]}, "own") == "own"  # 1.5% is not enough
-    assert S.choose_split({"torch": [0.0975], "own": [0.100]}, "own") == "torch"
-    one = {"w0.1": {"chunks": [1], "cover": [0.182]}}
-    assert weight_split_message("torch", 0.260, 0.248, one, split=False) == (
-        "after trying both ways of the last backward of a step, w0.1 chunk 1 (its Linears hold 18% of its "
-        "weight-gradient work) keeps torch's split of each step's last backward, its input gradient sent before "
-        "all its weight gradients: the fastest step took 248.0 ms so, 260.0 ms with the Linears' products after "
-        "each send")
-    assert weight_split_message("own", 0.135, 0.148, one, split=False) == (
-        "after trying both ways of the last backward of a step, w0.1 chunk 1 (its Linears hold 18% of its "
-        "weight-gradient work) keeps the Linears' own weight products after each backward's send, the other weight "
-        "gradients before it: the fastest step took 135.0 ms so, 148.0 ms with torch's split of the last backward")
