@@ -165,20 +165,8 @@ LINEAR_COVER = schedules.LINEAR_COVER
 FEW_LINEARS = 0.1
 
 
-def count_rows(part: nn.Module, rows: dict) -> None:
-    """Forward hooks on every module of ``part`` recording in ``rows`` (the module's id -> rows)
-    the rows of its first output, the first time it runs: what ``covered`` weighs each weight
-    by (``tracing.rows_hook``).  Hooks of an earlier call are dropped first; ``forget_rows``
-    (and ``uninstall``) drop them."""
-    forget_rows(part)
-    for m in part.modules():
-        m.register_forward_hook(tracing.rows_hook(rows))
-
-
-def forget_rows(part: nn.Module) -> None:
-    for m in part.modules():
-        for k in [k for k, h in m._forward_hooks.items() if getattr(h, "relaytrain_rows", False)]:
-            del m._forward_hooks[k]
+# the rows each module of a chunk sees in the first step, what ``covered`` weighs each weight by
+count_rows, forget_rows = tracing.count_rows, tracing.forget_rows
 
 
 def covered(part: nn.Module, rows: dict) -> float:

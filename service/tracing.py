@@ -53,6 +53,20 @@ def rows_hook(rows: dict):
     return hook
 
 
+def count_rows(part: nn.Module, rows: dict) -> None:
+    """A ``rows_hook`` on every module of ``part``, recording into ``rows`` what ``weighed``
+    weighs each weight by.  Hooks of an earlier call are dropped first; ``forget_rows`` drops them."""
+    forget_rows(part)
+    for m in part.modules():
+        m.register_forward_hook(rows_hook(rows))
+
+
+def forget_rows(part: nn.Module) -> None:
+    for m in part.modules():
+        for k in [k for k, h in m._forward_hooks.items() if getattr(h, "relaytrain_rows", False)]:
+            del m._forward_hooks[k]
+
+
 def _first_tensor(out):
     if isinstance(out, torch.Tensor):
         return out
@@ -402,7 +416,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
             inp = h = h.detach().requires_grad_(h.is_floating_point())
             keep = _Saved(layers[i])
             rows: dict = {}
-            hooks = [m.register_forward_hook(rows_hook(rows)) for m in layers[i].modules()]
+            count_rows(layers[i], rows)
             try:
                 with FlopCounterMode(display=False) as fc, torch.autograd.graph.saved_tensors_hooks(keep.pack, _same):
                     h = layers[i](h.clone() if h.requires_grad and changes_input_in_place(layers[i]) else h)
@@ -437,8 +451,7 @@ def _run_layers(layers: dict[int, nn.Module], count: int, x, y, loss, on_meta: b
                                  f"{x.dtype}): layer {i} ({type(layers[i]).__name__}){given} raised "
                                  f"{type(e).__name__}: {e}{hint}") from None
             finally:
-                for hook in hooks:
-                    hook.remove()
+                forget_rows(layers[i])
             if not isinstance(h, torch.Tensor):
                 raise _UserError(f"layer {i} ({type(layers[i]).__name__}) returned {type(h).__name__}, not a tensor; "
                                  "a pipeline passes one tensor from layer to layer (return only the hidden states)")
