@@ -163,12 +163,12 @@ def test_weight_gradients_of_layers_that_call_f_linear_wait_for_w(ray_session, t
     assert "keeps torch's split of the backward, every weight gradient in W: the fastest step took" in e["message"]
 
 
-def _functional_job(tmp_path, base, args: dict, **over) -> tuple:
-    """``base`` (a ``spec_of``) with userpkg's ``functional_linears`` (``args``) on the digits, and
+def _user_model_job(tmp_path, base, builder: str, args: dict, **over) -> tuple:
+    """``base`` (a ``spec_of``) with userpkg's model ``builder`` (``args``) on the digits, and
     ``over`` merged in, run: its parameters must be one process's.  (The spec, the run's report,
     its metrics rows, the one-process reference.)"""
     d = base.model_dump(mode="json")
-    d.update(model={"builder": "userpkg.models:functional_linears", "args": args}, data={"kind": "digits"},
+    d.update(model={"builder": f"userpkg.models:{builder}", "args": args}, data={"kind": "digits"},
              loss="cross_entropy")
     for k, v in over.items():
         d[k] = {**d.get(k, {}), **v} if isinstance(v, dict) else v
@@ -190,9 +190,9 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
     splits torch's way, its input gradient goes first, and worker 0's last backward (10 ms) runs
     beside worker 1's weight gradients (30 ms), not after them."""
     ms = 10.0
-    spec, final, rows, _ = _functional_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=3,
+    spec, final, rows, _ = _user_model_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=3,
                                                              parallelism={"partition": [2, 4]}),
-                                           {"layers": 4, "width": 64, "weight_grad_ms": ms},
+                                           "functional_linears", {"layers": 4, "width": 64, "weight_grad_ms": ms},
                                            training={"microbatch_size": 32})
     assert spec.microbatches == 2
     assert not any(r.get("sends_early") for r in rows)
@@ -217,15 +217,10 @@ def test_1f1b_of_convolutions_keeps_a_linear_head_s_products_deferred(ray_sessio
     more than the send it brings forward saves: a CNN's 1F1B ran 5-10% slower with it);
     the numbers are one process's."""
     # worker 0 holds the input Linear only, worker 1 both convolutions and the head
-    d = spec_of(1, 2, "1f1b", "collective", steps=3, parallelism={"partition": [2, 8]}).model_dump(mode="json")
     ms = 10.0  # each convolution's weight gradient
-    d.update(model={"builder": "userpkg.models:convs_and_a_linear_head", "args": {"weight_grad_ms": ms}},
-             data={"kind": "digits"}, loss="cross_entropy")
-    spec = parse_spec(d)
-    final = run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=120)
-    want = reference.run(spec, search=[FIXTURES], microbatched=True)
-    assert_same_params(torch.load(tmp_path / "model.pt"), want["params"])
-    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    spec, final, rows, _ = _user_model_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=3,
+                                                             parallelism={"partition": [2, 8]}),
+                                           "convs_and_a_linear_head", {"weight_grad_ms": ms})
     assert not any(r.get("sends_early") for r in rows) and [r["bubble_plan"] for r in rows] == pytest.approx([1 / 9] * 3)
     # its last backward runs whole but the head's product, which follows the send: worker 0's
     # last backward starts after worker 1's convolution gradients (10 ms each)
@@ -243,8 +238,8 @@ def test_1f1b_replicas_of_f_linear_layers_split_their_last_backward_and_sum_ever
     backward of a step splits torch's way (its Linear head holds 5% of the chunk's weight-gradient
     work; torch's W writes its weight gradients outside autograd's accumulation), and the
     replicas still sum every weight's gradient: the numbers are one process's."""
-    *_, rows, want = _functional_job(tmp_path, spec_of(2, 2, "1f1b", transport, steps=3, parallelism={"partition": [2, 4]}),
-                                     {"layers": 4, "width": 64, "weight_grad_ms": 0.0})
+    *_, rows, want = _user_model_job(tmp_path, spec_of(2, 2, "1f1b", transport, steps=3, parallelism={"partition": [2, 4]}),
+                                     "functional_linears", {"layers": 4, "width": 64, "weight_grad_ms": 0.0})
     assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
 
 
@@ -361,9 +356,9 @@ def test_replicas_that_try_torchs_split_sum_its_weight_gradients(ray_session, tm
     # and each of those layers holds a Linear it never calls: no gradient, so AdamW's weight decay
     # leaves it alone in one process (a W that noted every weight of a gradient bucket as used
     # gave them zero gradients, which the decay then shrank: a review)
-    *_, rows, want = _functional_job(tmp_path, spec_of(2, 2, "zbv", "collective", steps=4,
+    *_, rows, want = _user_model_job(tmp_path, spec_of(2, 2, "zbv", "collective", steps=4,
                                                        parallelism={"partition": [2, 1, 1, 2]}),
-                                     {"layers": 4, "weight_grad_ms": 0.0, "unused": True},
+                                     "functional_linears", {"layers": 4, "weight_grad_ms": 0.0, "unused": True},
                                      optimizer={"name": "adamw", "lr": 0.01, "weight_decay": 0.1})
     assert [r["loss"] for r in rows] == pytest.approx(want["losses"], rel=1e-5)
     assert [r["grad_norm"] for r in rows] == pytest.approx(want["grad_norm"], rel=1e-5)
