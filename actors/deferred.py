@@ -6,10 +6,12 @@ bubble).  torch's ``stage_backward_input`` / ``stage_backward_weight`` split any
 CPU they cost 27-61 % more than the whole backward (bench/split_backward.py): W runs the
 autograd engine once per parameter group, through graph nodes kept alive from B.
 
-Most of a model's weights sit in ``nn.Linear`` layers, whose weight gradient is one matrix
-product: ``grad_out^T @ input``.  So where a chunk holds plain ``nn.Linear`` layers (or the
-built-in models' ``Linear``, which only casts its input to the weight's dtype first), their
-forward goes through ``_Linear`` below: in B the autograd engine computes the input gradient
+Most of a model's weights sit in ``nn.Linear`` layers (or transformers' ``Conv1D``, GPT-2's
+projections: the same layer with its weight stored transposed), whose weight gradient is one
+matrix product: ``grad_out^T @ input`` (``input^T @ grad_out`` for a ``Conv1D``).  So where a
+chunk holds plain ``nn.Linear`` layers (or the built-in models' ``Linear``, which only casts its
+input to the weight's dtype first), their forward goes through ``_Linear`` below (a ``Conv1D``'s
+through ``_Conv1D``, the ``addmm`` its own forward runs): in B the autograd engine computes the input gradient
 (and every other layer's gradients) as in a whole backward, while each Linear only keeps its
 (input, grad_out) pair; W does the matrix products, each straight into ``.grad``
 (``grad.addmm_(g^T, x)``), where autograd computes a new gradient and adds it.  B + W then
@@ -65,6 +67,30 @@ class _Linear(torch.autograd.Function):
         return gx, None, None, None, None
 
 
+class _Conv1D(torch.autograd.Function):
+    """transformers' ``Conv1D`` (``addmm(b, x, W)``, the weight stored (in, out)) as ``_Linear``:
+    the input gradient in B, the (input, grad_out) pair kept for W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, module, pending):
+        x2 = x.view(-1, x.size(-1))
+        ctx.save_for_backward(x2, weight)
+        ctx.module, ctx.pending, ctx.shape = module, pending, x.shape
+        return torch.addmm(bias, x2, weight).view(x.size()[:-1] + (weight.shape[1],))
+
+    @staticmethod
+    def backward(ctx, g):
+        x2, weight = ctx.saved_tensors
+        g2 = g.reshape(-1, g.shape[-1])
+        gx = g2.mm(weight.t()).view(ctx.shape) if ctx.needs_input_grad[0] else None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            if ctx.pending.into is None:
+                weight_grads([(ctx.module, x2, g2)])
+            else:
+                ctx.pending.into.append((ctx.module, x2, g2))
+        return gx, None, None, None, None
+
+
 def _accumulate(p: nn.Parameter, value: torch.Tensor) -> None:
     """As autograd's AccumulateGrad: into ``.grad`` in place (it may be a view into a
     gradient-sum bucket), or a fresh ``.grad``."""
@@ -109,16 +135,18 @@ def _new_grad(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
 
 @torch.no_grad()
 def weight_grads(pending: list) -> None:
-    """W: each Linear's weight (and bias) gradient from its (input, grad_out) pairs."""
+    """W: each Linear's weight (and bias) gradient from its (input, grad_out) pairs: ``g^T x``
+    for an ``nn.Linear`` (weight (out, in)), ``x^T g`` for a ``Conv1D`` (weight (in, out))."""
     for module, x, g in pending:
         g2 = g.reshape(-1, g.shape[-1])
         w = module.weight
         if w.requires_grad:
             x2 = x.reshape(-1, x.shape[-1])
+            a, b = (g2.t(), x2) if isinstance(module, nn.Linear) else (x2.t(), g2)
             if w.grad is None:
-                w.grad = _new_grad(w, g2.t(), x2)
+                w.grad = _new_grad(w, a, b)
             else:  # one product into the gradient, no temporary the size of the weight
-                w.grad.addmm_(g2.t(), x2)
+                w.grad.addmm_(a, b)
             got_gradient(w)
         if module.bias is not None and module.bias.requires_grad:
             _accumulate(module.bias, g2.sum(0))
@@ -144,11 +172,12 @@ def weight_grads_grouped(whats: list) -> None:
 
 
 def install(part: nn.Module, pending: Pending) -> int:
-    """Route the forward of every plain Linear in ``part`` through ``_Linear``; returns how many."""
+    """Route the forward of every plain Linear in ``part`` through ``_Linear`` (a transformers
+    ``Conv1D`` through ``_Conv1D``); returns how many."""
     n = 0
     for m in part.modules():
         if tracing.plain_linear(m):
-            m.forward = _bound(m, pending)
+            m.forward = _bound(m, pending) if isinstance(m, nn.Linear) else _bound_conv1d(m, pending)
             n += 1
     return n
 
@@ -159,10 +188,9 @@ def install(part: nn.Module, pending: Pending) -> int:
 # every weight gradient waits for W, and the own products, and keeps the faster
 # (service/schedules.py SPLIT_TRIAL, choose_split); the planner weighs the traced layers alike
 LINEAR_COVER = schedules.LINEAR_COVER
-# under this share a chunk of 1F1B, GPipe or interleaved defers nothing worth the while (its
-# layers call F.linear, a Linear head after them): it runs as a chunk without plain Linears,
-# its last backward of a step split torch's way (actors/stage.py ``_check_early``)
-FEW_LINEARS = 0.1
+# under this share a chunk of 1F1B, GPipe or interleaved defers nothing worth the while
+# (service/schedules.py FEW_LINEARS)
+FEW_LINEARS = schedules.FEW_LINEARS
 
 
 # the rows each module of a chunk sees in the first step, what ``covered`` weighs each weight by
@@ -191,4 +219,10 @@ def _bound(m: nn.Linear, pending: Pending):
         if casts and x.dtype != m.weight.dtype:
             x = x.to(m.weight.dtype)
         return _Linear.apply(x, m.weight, m.bias, m, pending)
+    return forward
+
+
+def _bound_conv1d(m: nn.Module, pending: Pending):
+    def forward(x):
+        return _Conv1D.apply(x, m.weight, m.bias, m, pending)
     return forward

@@ -94,7 +94,7 @@ class JobRecord:
             self.step = row["step"]
             self.high = max(self.high, self.step)
         if self.sink:
-            shape = dict(self.shape, sends_early=True) if row.get("sends_early") else self.shape
+            shape = dict(self.shape, **{k: True for k in ("sends_early", "last_sent_early") if row.get(k)})
             self.sink.write(metrics=[row], timeline_entry=timeline.record(row["step"], shape, workers_timeline))
         self.job_metrics.committed(row)
 
@@ -185,12 +185,15 @@ def grad_norm(stats: dict) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = False, weight_group: int = 1) -> float:
+def plan_bubble(schedule: str, pp: int, m: int, chunks: int = 1, early: bool = False, weight_group: int = 1,
+                last: bool = False) -> float:
     """The schedule's ideal bubble (backward = 2 x forward, split evenly into B and W); with
     ``early`` as run where every backward sends its input gradient before its weight
-    gradients (``schedules.sends_early``); ``weight_group``: its W's grouped (``schedules.group_weights``)."""
+    gradients (``schedules.sends_early``), with ``last`` where only each worker's last backward
+    of the step does (``schedules.simulate``'s ``last_early``); ``weight_group``: its W's
+    grouped (``schedules.group_weights``)."""
     plan = schedules.build(schedule, pp, m, chunks, weight_group)
-    return float(schedules.simulate(schedules.sends_early(plan) if early else plan).bubble)
+    return float(schedules.simulate(schedules.sends_early(plan) if early else plan, last_early=last).bubble)
 
 
 def weight_split_message(kept: str, own: float, theirs: float, trials: dict) -> str:
@@ -215,6 +218,13 @@ def sends_early(stats: dict) -> bool:
     return bool(stats) and all(s.get("sends_early") for s in stats.values())
 
 
+def last_sent_early(stats: dict) -> bool:
+    """Did every worker's last backward of the step send its input gradient before its weight
+    gradients (torch's split of that backward, where a chunk's weights are not in plain Linears),
+    or have none to send?"""
+    return bool(stats) and all(s.get("last_early") for s in stats.values())
+
+
 def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp: int, schedule: str,
                 microbatches: int, reshapes: int, snapshot_s: Optional[float], rerun: bool, lr: float,
                 chunks: int = 1, replicas: tuple = (), stage_costs: tuple = (), tp: int = 1,
@@ -232,13 +242,14 @@ def metrics_row(step: int, stats: dict, wall: float, *, batch: int, dp: int, pp:
         span = max(c["pipe_end"] for c in cells) - min(c["start"] for c in cells)
         utils.append(sum(c["busy"] for c in cells) / (width * span) if span > 0 else 1.0)
     early = not replicas and sends_early(stats)
+    last = not replicas and not early and last_sent_early(stats)
     ideal = (float(rp.plan(schedule, replicas, microbatches // dp, rp.relative(stage_costs)).bubble) if replicas
-             else plan_bubble(schedule, pp, microbatches // dp, chunks, early, weight_group))
+             else plan_bubble(schedule, pp, microbatches // dp, chunks, early, weight_group, last))
     return {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm(stats), "time": time.time(),
             "samples_per_s": batch / wall,
             "step_time_s": wall, "dp": dp, "pp": pp,
             "bubble": max(0.0, 1.0 - sum(utils) / len(utils)), "bubble_plan": ideal,
-            **({"sends_early": True} if early else {}),
+            **({"sends_early": True} if early else {}), **({"last_sent_early": True} if last else {}),
             "peak_live": [max(stats[(r, t)]["peak_live"] for r in range(dp) for t in slots) for slots in of_stage],
             # bytes the first worker of each stage of replica 0 received from other workers, by kind
             # (act, grad, skip, skipgrad)

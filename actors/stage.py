@@ -275,6 +275,9 @@ class _Progress:
     peak: int = 0
     timeline: list = field(default_factory=list)
     received: dict = field(default_factory=dict)  # kind -> bytes received from other workers this step
+    # (a schedule without W) the step's last backward sent its input gradient before its weight
+    # gradients, or had none to send (schedules.simulate's ``last_early``)
+    last_early: bool = False
 
 
 @dataclass(frozen=True)
@@ -430,6 +433,7 @@ class StepRunner:
                 "busy": p.busy, "start": p.timeline[0][1] if p.timeline else t_begin, "pipe_end": t_pipe,
                 "end": t_end, "peak_live": p.peak, "allreduce_s": t_end - t_pipe, "timeline": p.timeline,
                 "grad_sq": grad_sq, "grad_norm": total, "received": p.received, "sends_early": self.sends_early,
+                "last_early": p.last_early,
                 **({"split_trial": trial} if trial else {})}
 
     def _keep_split_whole(self) -> None:
@@ -810,6 +814,8 @@ class StepRunner:
         # with the weight gradients computed apart (own, or torch's split of the step's last
         # backward), the input gradient is sent before them: the previous chunk waits for it
         early = own or split
+        if final:  # (the own products of a chunk they do not cover come after most of its weight gradients)
+            p.last_early = split or not needs_input
         if own:
             what = self._input_backward(outs, grads)
         elif split:

@@ -33,15 +33,21 @@ def _schedule(args) -> int:
             raise ValueError(f"--weight-group must be at least 1; got {args.weight_group}")
         plan = schedules.build(args.schedule, args.stages, args.microbatches, chunks, args.weight_group)
         weight = None if args.weight_cost is None else cost(args.weight_cost, "--weight-cost")
-        if args.sends_early:
-            if plan.split:
-                raise ValueError(f"{args.schedule} splits its backward into B and W already; --sends-early "
+        for flag, on in (("--sends-early", args.sends_early), ("--last-sent-early", args.last_sent_early)):
+            if on and plan.split:
+                raise ValueError(f"{args.schedule} splits its backward into B and W already; {flag} "
                                  "is for gpipe, 1f1b and interleaved_1f1b")
+        if args.sends_early and args.last_sent_early:
+            raise ValueError("--sends-early sends every input gradient early, --last-sent-early only each worker's "
+                             "last one of the step: give one of them")
+        if args.sends_early:
             plan = schedules.sends_early(plan)
         title = (f"{plan.name} (input gradients sent early)" if args.sends_early else
+                 f"{plan.name} (each worker's last input gradient sent early)" if args.last_sent_early else
                  f"{plan.name} (W's in groups of {plan.weight_group})" if plan.weight_group > 1
                  else None)
-        print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight, title))
+        print(schedules.render_grid(plan, cost(args.backward_cost, "--backward-cost"), weight, title,
+                                    args.last_sent_early))
     except ValueError as e:
         print(f"relaytrain schedule: {e}", file=sys.stderr)
         return 2
@@ -615,6 +621,10 @@ def _local_commands(sub) -> None:
     sch.add_argument("--sends-early", action="store_true",
                      help="gpipe, 1f1b, interleaved_1f1b as the workers run them when the layers are plain "
                           "Linears: each B sends the input gradient, then its W computes the weight gradients")
+    sch.add_argument("--last-sent-early", action="store_true",
+                     help="gpipe, 1f1b, interleaved_1f1b as the workers run them when a chunk's weights are not in "
+                          "plain Linears (layers that call F.linear, convolutions): only each worker's last "
+                          "backward of the step sends its input gradient before its weight gradients")
     sch.add_argument("--replicas", default=None, metavar="R0,R1,...",
                      help="workers per stage (replicated stages, gpipe or 1f1b): one row per worker")
     sch.add_argument("--stage-costs", default=None, metavar="C0,C1,...",

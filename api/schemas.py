@@ -151,10 +151,14 @@ class TimelineOut(BaseModel):
     span_s: float = Field(description="seconds from the first action's start to the last one's end")
     utilization: Optional[float] = Field(None, description="measured: busy / (stages x span), averaged over replicas")
     utilization_plan: Optional[float] = Field(None, description="the schedule's ideal, backward = 2 x forward; "
-                                              "with sends_early, as the workers ran it")
+                                              "with sends_early or last_sent_early, as the workers ran it")
     sends_early: bool = Field(False, description="every backward sent its input gradient before computing its "
                                                  "weight gradients (chunks of plain Linear layers): the plan is the "
                                                  "schedule with each B followed by its W")
+    last_sent_early: bool = Field(False, description="each worker's last backward of the step sent its input gradient "
+                                                     "before its weight gradients (torch's split of that backward, "
+                                                     "chunks whose weights are not in plain Linears); the plan lets "
+                                                     "the stage before start its last backward at that send")
     weight_group: int = Field(1, description="parallelism.weight_group: the W's of that many microbatches ran as one "
                                              "product per Linear, at the group's last W (each W box: an equal "
                                              "share of the group's time); the plan is the grouped one")

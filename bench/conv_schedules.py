@@ -56,6 +56,26 @@ def spec(name: str, m: int, mbs: int, steps: int):
         "parallelism": par, "resources": {"cpus_per_worker": 1}, "checkpoint": {"every_steps": 0}})
 
 
+def alternate(names: list, make_spec, rounds: int, folder: str, label: str) -> dict:
+    """Each of ``names`` run ``rounds`` times, the order rotating round by round (``make_spec(name)``,
+    the model's module in ``folder``): name -> its runs' timed rows (after ``SETTLED``) and its
+    ``weight_split`` choices, as ``{"rows": [...], "kept": [...], "last": the last run's last row}``."""
+    from actors.runner import run_job
+
+    got = {k: {"rows": [], "kept": [], "last": None} for k in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            final = run_job(spec=make_spec(name), spec_dir=folder, out=tempfile.mkdtemp(), progress=False,
+                            record=False)
+            timed = final["metrics"][SETTLED:]
+            got[name]["kept"] += [e["kept"] for e in final["events"] if e["type"] == "weight_split"]
+            got[name]["rows"] += timed
+            got[name]["last"] = timed[-1]
+            print(f"{label} round {r + 1} {name}: {statistics.median(x['step_time_s'] for x in timed) * 1e3:.0f} ms",
+                  flush=True)
+    return got
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mbs", type=int, nargs="+", default=[16, 32, 64])
@@ -66,8 +86,6 @@ def main() -> None:
 
     import ray
 
-    from actors.runner import run_job
-
     folder = tempfile.mkdtemp(prefix="relaytrain-cnn-")
     Path(folder, "cnn_layers.py").write_text(CNN)
     ray.init(address="local", num_cpus=8, include_dashboard=False, logging_level="WARNING",
@@ -76,24 +94,13 @@ def main() -> None:
              f"{args.steps - SETTLED} timed steps, measured bubble median; {time.strftime('%Y-%m-%d %H:%M')}", "",
              "| rows | schedule | step (ms) | vs 1F1B | measured bubble | split kept (rounds) |", "|---|---|---|---|---|---|"]
     for mbs in args.mbs:
-        steps: dict = {k: [] for k in RUNS}
-        bubbles: dict = {k: [] for k in RUNS}
-        kept: dict = {k: [] for k in RUNS}
-        for r in range(args.rounds):
-            names = list(RUNS)[r % len(RUNS):] + list(RUNS)[:r % len(RUNS)]  # the order rotates
-            for name in names:
-                final = run_job(spec=spec(name, args.m, mbs, args.steps), spec_dir=folder,
-                                out=tempfile.mkdtemp(), progress=False, record=False)
-                timed = final["metrics"][SETTLED:]
-                kept[name] += [e["kept"] for e in final["events"] if e["type"] == "weight_split"]
-                steps[name] += [x["step_time_s"] for x in timed]
-                bubbles[name] += [x["bubble"] for x in timed]
-                print(f"rows {mbs} round {r + 1} {name}: {statistics.median(x['step_time_s'] for x in timed) * 1e3:.0f} ms",
-                      flush=True)
-        base = statistics.median(steps["1F1B"])
+        got = alternate(list(RUNS), lambda name: spec(name, args.m, mbs, args.steps), args.rounds, folder, f"rows {mbs}")
+        base = statistics.median(x["step_time_s"] for x in got["1F1B"]["rows"])
         for name in RUNS:
-            med = statistics.median(steps[name])
-            lines.append(f"| {mbs} | {name} | {med * 1e3:.0f} | {base / med:.2f}x | {statistics.median(bubbles[name]):.1%} | {', '.join(kept[name]) or '-'} |")
+            med = statistics.median(x["step_time_s"] for x in got[name]["rows"])
+            bubble = statistics.median(x["bubble"] for x in got[name]["rows"])
+            lines.append(f"| {mbs} | {name} | {med * 1e3:.0f} | {base / med:.2f}x | {bubble:.1%} | "
+                         f"{', '.join(got[name]['kept']) or '-'} |")
     ray.shutdown()
     text = "\n".join(lines)
     print(text)

@@ -12,7 +12,8 @@ forward and whole backward per microbatch) with torch's autograd against relaytr
 gradients, which every schedule uses for plain Linears.  The difference between B + W and the whole backward is what a split schedule must
 win back from the bubble.  Last, a CNN stage whose Linear head holds most of the weights but
 little of the weight-gradient work: torch's split (what relaytrain runs on such a chunk,
-``deferred.covered``) against the head's own product alone in W, the convolutions' in B.
+``deferred.covered``) against the head's own product alone in W, the convolutions' in B.  And a
+stage of transformers' GPT-2 blocks, whose Conv1D projections relaytrain's own products cover.
 
     .venv/bin/python bench/split_backward.py
 """
@@ -45,6 +46,27 @@ def _conv_stage() -> nn.Module:
     (8192 -> 128) that holds 98% of the weights but about a fifth of the weight-gradient work."""
     return nn.Sequential(nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 32, 3, padding=1), nn.ReLU(),
                          nn.Flatten(), nn.Linear(32 * 16 * 16, 128), nn.ReLU())
+
+
+def _gpt2_stage(d: int = 256, heads: int = 4, seq: int = 64) -> nn.Module:
+    """4 transformers GPT2Blocks (width 256, 64 tokens; their projections are transformers'
+    Conv1D, which relaytrain's own products cover since 2026-12-02), each returning its hidden states."""
+    import transformers
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    cfg = transformers.GPT2Config(n_embd=d, n_head=heads, n_positions=seq, attn_implementation="eager",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = GPT2Block(cfg, layer_idx=0)
+
+        def forward(self, h):
+            out = self.block(h)
+            return out[0] if isinstance(out, tuple) else out
+
+    return nn.Sequential(*[Block() for _ in range(4)])
 
 
 def measure(mbs: int, runs: int = 60, build=_stage, shape: tuple = (1024,)) -> dict:
@@ -180,6 +202,22 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for mbs in (16, 32, 64):
         m = measure(mbs, runs=30, build=_conv_stage, shape=(32, 16, 16))
+        bw = m["B"] + m["W"]
+        dw = m["deferred B"] + m["deferred W"]
+        print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | "
+              f"{bw / m['whole backward'] - 1:+.0%} | {m['deferred B']:.2f} | {m['deferred W']:.2f} | "
+              f"{dw / m['whole backward'] - 1:+.0%} |")
+
+
+    print()
+    print("A GPT-2 stage (4 transformers GPT2Blocks, width 256, 64 tokens a sequence; its projections are "
+          "transformers' Conv1D): torch's split against relaytrain's own Conv1D products in W (the norms' "
+          "and attention's other gradients in B), ms; rows = sequences a microbatch")
+    print("| sequences | forward | whole backward | torch B | torch W | B + W over whole | own B | own W "
+          "| B + W over whole |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for mbs in (2, 4, 8):
+        m = measure(mbs, runs=30, build=_gpt2_stage, shape=(64, 256))
         bw = m["B"] + m["W"]
         dw = m["deferred B"] + m["deferred W"]
         print(f"| {mbs} | {m['forward']:.2f} | {m['whole backward']:.2f} | {m['B']:.2f} | {m['W']:.2f} | "

@@ -94,6 +94,20 @@ class LayerFacts:
                 return False
         return True
 
+    def last_early(self, bounds: Sequence[tuple[int, int]], dp: int = 1, chunks: int = 1) -> bool:
+        """Whether each worker's last backward of the step sends its input gradient before its
+        weight gradients where the others do not (actors/stage.py ``_check_early``): in every
+        chunk with parameters plain Linears hold under ``schedules.FEW_LINEARS`` of the
+        weight-gradient work, so the workers split that backward torch's way; not with
+        activation checkpointing, nor where the gradient sum starts during backward."""
+        if self.linear_work is None or self.checkpointing or (self.gpu and dp > 1 and chunks == 1):
+            return False
+        for lo, hi in bounds:
+            mine, total = (sum(w[k] for w in self.linear_work[lo:hi]) for k in (0, 1))
+            if any(self.param_bytes[lo:hi]) and total and mine >= schedules.FEW_LINEARS * total:
+                return False
+        return True
+
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
         forward and its backward.  With checkpointing: each layer's input (``input_bytes`` for
@@ -257,7 +271,8 @@ def model_shape(facts: LayerFacts, dp: int, pp: int, microbatches: int, *, sched
     where = schedules.placement(schedule)
     bounds = partition.bounds(sizes)
     early = not replicas and tp == 1 and facts.early(bounds, dp, chunks)
-    units, peaks = _plan_model(schedule, pp, m, chunks, early, weight_group)
+    last = not replicas and tp == 1 and not early and facts.last_early(bounds, dp, chunks)
+    units, peaks = _plan_model(schedule, pp, m, chunks, early, weight_group, last)
     if facts.gathers and schedule == "gpipe":
         units = gathered_units(m, [any(i in facts.gathers for i in range(lo, hi)) for lo, hi in bounds])
     slot, ar, mem = 0.0, 0.0, 0
@@ -330,20 +345,22 @@ def _check_chunks(schedule: str, chunks: int) -> None:
 
 @functools.lru_cache(maxsize=4096)
 def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False,
-                weight_group: int = 1) -> tuple[float, tuple[Fraction, ...]]:
+                weight_group: int = 1, last: bool = False) -> tuple[float, tuple[Fraction, ...]]:
     """``(units, peaks)`` of the plan of ``schedule`` for ``pp`` workers, ``m`` microbatches and
     ``chunks`` chunks per worker: its makespan in units of one microbatch's forward+backward on a
     worker (forward 1, backward 2), and per worker its peak held activations in units of one
     microbatch's activations of the worker's whole share.  ``early``: timed as the workers run
     it when each input gradient is sent before the weight gradients (``schedules.sends_early``,
-    the same order and activations).  GPipe and 1F1B in closed form (what their simulation
-    gives), the others simulated; cached, as the planner models many shapes."""
-    if schedule == "gpipe" and chunks == 1 and not early:
+    the same order and activations); ``last``: only each worker's last backward of the step so
+    (``schedules.simulate``'s ``last_early``).  GPipe and 1F1B in closed form (what their
+    simulation gives), the others simulated; cached, as the planner models many shapes."""
+    if schedule == "gpipe" and chunks == 1 and not early:  # (its last backwards gain nothing: simulate)
         return float(m + pp - 1), tuple(Fraction(m) for _ in range(pp))
-    if schedule == "1f1b" and chunks == 1 and not early:
+    if schedule == "1f1b" and chunks == 1 and not early and not last:
         return float(m + pp - 1), tuple(Fraction(min(m, pp - i)) for i in range(pp))
     plan = schedules.build(schedule, pp, m, chunks, weight_group)
-    units = float(Fraction(schedules.simulate(schedules.sends_early(plan) if early else plan).makespan) / 3)
+    units = float(Fraction(schedules.simulate(schedules.sends_early(plan) if early else plan,
+                                              last_early=last).makespan) / 3)
     return units, tuple(Fraction(f).limit_denominator(10**6) for f in schedules.peak_activation_fraction(plan))
 
 

@@ -357,6 +357,11 @@ def sends_early(schedule: Schedule) -> Schedule:
 # Linears' products itself): the workers weigh each chunk so after their first step
 # (deferred.covered), the planner the traced layers (service/tracing.py weighed; planner.LayerFacts.early)
 LINEAR_COVER = 0.9
+# under this share a chunk of 1F1B, GPipe or interleaved defers nothing worth the while (its
+# layers call F.linear, a Linear head after them): it runs as a chunk without plain Linears,
+# its last backward of a step split torch's way (actors/stage.py ``_check_early``; ``simulate``'s
+# ``last_early``; the planner's ``LayerFacts.last_early``)
+FEW_LINEARS = 0.1
 
 # a chunk of a split schedule whose Linears hold too little of its weight-gradient work
 # (under LINEAR_COVER) has two ways to split its backward: torch's (all its weight gradients wait for W,
@@ -459,15 +464,31 @@ def action_costs(schedule: Schedule, backward_cost: Fraction | float | int = 2,
     return {k: c / schedule.chunks for k, c in costs.items()}
 
 
+def last_backwards(schedule: Schedule) -> frozenset:
+    """Each worker's last B of the step (of a schedule without W actions)."""
+    return frozenset(next(a for a in reversed(acts) if a.kind == "B") for acts in schedule.order
+                     if any(a.kind == "B" for a in acts))
+
+
 def simulate(schedule: Schedule, backward_cost: Fraction | float | int = 2,
-             weight_cost: Fraction | float | int | None = None) -> Timing:
+             weight_cost: Fraction | float | int | None = None, last_early: bool = False) -> Timing:
     """Validate ``schedule`` and time it (costs: :func:`action_costs`): each worker runs its
     list in order, each action starts when the worker is free and its dependencies have
-    ended.  Raises :class:`ScheduleError` for a plan that is incomplete, repeats an action,
-    runs a B before its F or a W before its B, or deadlocks across workers."""
+    ended.  ``last_early`` (a schedule without W): each worker's last backward of the step
+    sends its input gradient before its weight gradients, as relaytrain's workers run the
+    chunks whose weights are not in plain Linears (torch's split of that one backward): the
+    stage before may start its own last backward once the input-gradient part (B of a split,
+    ``backward_cost`` / 2 with no ``weight_cost``) has ended.  Raises :class:`ScheduleError`
+    for a plan that is incomplete, repeats an action, runs a B before its F or a W before its
+    B, or deadlocks across workers."""
     costs = action_costs(schedule, backward_cost, weight_cost)
     _validate(schedule)
-    start, end = _clock(schedule, costs)
+    sent = {}
+    if last_early and not schedule.split:
+        b = _cost(backward_cost, "backward")
+        part = (b / 2 if weight_cost is None else b) / schedule.chunks  # the input gradient's share
+        sent = {a: part for a in last_backwards(schedule)}
+    start, end = _clock(schedule, costs, sent)
     busy = tuple(sum((end[a] - start[a] for a in acts), Fraction(0)) for acts in schedule.order)
     spans = tuple((min(start[a] for a in acts), max(end[a] for a in acts)) if acts else (Fraction(0), Fraction(0))
                   for acts in schedule.order)
@@ -508,13 +529,17 @@ def _validate(schedule: Schedule) -> None:
             seen.add(a)
 
 
-def _clock(schedule: Schedule, costs: dict[str, Fraction]) -> tuple[dict[Action, Fraction], dict[Action, Fraction]]:
+def _clock(schedule: Schedule, costs: dict[str, Fraction],
+           sent: dict | None = None) -> tuple[dict[Action, Fraction], dict[Action, Fraction]]:
     """Start and end of each action of a valid plan: sweep the workers, running each one's
-    next actions while their dependencies have ended, until all have run.  Raises
+    next actions while their dependencies have ended (``sent``: actions whose dependents may
+    start that long after the action starts, before it ends), until all have run.  Raises
     :class:`ScheduleError` with the stuck cells marked when a sweep runs nothing."""
     p, virtual = schedule.stages, schedule.virtual
+    sent = sent or {}
     start: dict[Action, Fraction] = {}
     end: dict[Action, Fraction] = {}
+    ready: dict[Action, Fraction] = {}  # when what depends on the action may start
     pos = [0] * p
     free = [Fraction(0)] * p
     remaining = sum(len(acts) for acts in schedule.order)
@@ -527,9 +552,10 @@ def _clock(schedule: Schedule, costs: dict[str, Fraction]) -> tuple[dict[Action,
                 deps = dependencies(a, virtual)
                 if any(d not in end for d in deps):
                     break
-                t0 = max([free[i]] + [end[d] for d in deps])
+                t0 = max([free[i]] + [ready[d] for d in deps])
                 start[a] = t0
                 end[a] = t0 + costs[a.kind]
+                ready[a] = t0 + sent[a] if a in sent else end[a]
                 free[i] = end[a]
                 pos[i] += 1
                 remaining -= 1
@@ -613,13 +639,14 @@ def grid_lines(rows: list, start: dict, end: dict, unit: Fraction, makespan: Fra
 
 
 def render_grid(schedule: Schedule, backward_cost: Fraction | float | int = 2,
-                weight_cost: Fraction | float | int | None = None, title: str | None = None) -> str:
+                weight_cost: Fraction | float | int | None = None, title: str | None = None,
+                last_early: bool = False) -> str:
     """Worker x time grid of the simulated plan (one row per worker, ``stage i``); an action
     fills as many cells as it lasts (one cell = the greatest common unit of the actions'
     durations), idle cells are blank.  Last line: the plan, its costs per microbatch through
     a worker's whole share (F = 1), bubble fraction and utilization; ``title`` names the plan
-    there (default: the schedule's name)."""
-    timing = simulate(schedule, backward_cost, weight_cost)
+    there (default: the schedule's name); ``last_early``: see :func:`simulate`."""
+    timing = simulate(schedule, backward_cost, weight_cost, last_early)
     costs = action_costs(schedule, backward_cost, weight_cost)
     lines = grid_lines([(f"stage {i:<2}", acts) for i, acts in enumerate(schedule.order)], timing.start, timing.end,
                        unit_of(costs.values()), timing.makespan)

@@ -52,6 +52,7 @@ def record(step: int, shape: dict, workers: dict[str, Iterable]) -> dict:
             **({"tp": int(shape["tp"])} if (shape.get("tp") or 1) > 1 else {}),
             **({"weight_group": weight_group_of(shape)} if weight_group_of(shape) > 1 else {}),
             **({"sends_early": True} if shape.get("sends_early") else {}),  # see schedules.sends_early
+            **({"last_sent_early": True} if shape.get("last_sent_early") else {}),  # schedules.simulate's last_early
             "nodes": dict(shape.get("workers") or {}),
             "portals": [list(q) for q in shape.get("portals") or []],
             "workers": {w: [[str(a), round(float(t0) - t_min, 6), round(float(t1) - t_min, 6)] for a, t0, t1 in acts]
@@ -135,12 +136,14 @@ def check(entry: dict) -> list[str]:
 
 
 def plan_utilization(schedule: str, pp: int, microbatches_per_replica: int, backward_cost: float = 2,
-                     chunks: int = 1, early: bool = False, weight_group: int = 1) -> float:
+                     chunks: int = 1, early: bool = False, weight_group: int = 1, last: bool = False) -> float:
     """The plan's ideal utilization (busy area / total area), backward = 2 x forward as in the
     ``bubble_plan`` metric and ``relaytrain schedule`` (split schedules: B and W each half of it);
-    ``early``: as run with each input gradient sent before the weight gradients (``schedules.sends_early``)."""
+    ``early``: as run with each input gradient sent before the weight gradients (``schedules.sends_early``);
+    ``last``: only each worker's last backward of the step so (``schedules.simulate``'s ``last_early``)."""
     plan = schedules.build(schedule, pp, microbatches_per_replica, chunks, weight_group)
-    return float(schedules.simulate(schedules.sends_early(plan) if early else plan, backward_cost).utilization)
+    return float(schedules.simulate(schedules.sends_early(plan) if early else plan, backward_cost,
+                                    last_early=last).utilization)
 
 
 def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) -> dict:
@@ -178,7 +181,7 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
         else:
             plan = plan_utilization(entry["schedule"], entry["pp"], entry["microbatches_per_replica"],
                                     chunks=chunks_of(entry), early=bool(entry.get("sends_early")),
-                                    weight_group=weight_group_of(entry))
+                                    weight_group=weight_group_of(entry), last=bool(entry.get("last_sent_early")))
     except (ValueError, TypeError):
         plan = None
     return {"job": job, "step": entry["step"], "available": sorted(set(available) | {entry["step"]}),
@@ -189,7 +192,8 @@ def view(entry: dict, available: Iterable[int] = (), job: Optional[str] = None) 
             **({"tp": entry["tp"]} if entry.get("tp") else {}),
             "microbatches_per_replica": entry["microbatches_per_replica"], "start": entry.get("start"),
             "span_s": span, "utilization": sum(utils) / len(utils) if utils else None,
-            "utilization_plan": plan, "sends_early": bool(entry.get("sends_early")), "lanes": lanes}
+            "utilization_plan": plan, "sends_early": bool(entry.get("sends_early")),
+            "last_sent_early": bool(entry.get("last_sent_early")), "lanes": lanes}
 
 
 def _portals(entry: dict, lanes: list[dict]) -> list[dict]:
@@ -347,6 +351,7 @@ def _svg_open(v: dict, lay: _Layout) -> list[str]:
         f'data-utilization="{v["utilization"] if v["utilization"] is not None else ""}" '
         f'data-utilization-plan="{v["utilization_plan"] if v["utilization_plan"] is not None else ""}" '
         f'data-sends-early="{"1" if v.get("sends_early") else ""}" '
+        f'data-last-sent-early="{"1" if v.get("last_sent_early") else ""}" '
         f'data-weight-group="{v.get("weight_group") or 1}" '
         f'data-available="{available}" font-family="system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif">',
         "<defs>",

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import sys
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -32,11 +33,28 @@ LAYER_OVERHEAD_S = 20e-6         # a layer's fixed cost per pass (Python and ope
 LINEAR_FORWARDS = {nn.Linear.forward: False, builtins.Linear.forward: True}
 
 
+def conv1d_class():
+    """transformers' ``Conv1D`` (GPT-2's, GPT's projections: ``x @ W + b``, a Linear whose weight is
+    stored transposed), where the process has imported transformers (a model built of it has);
+    None otherwise.  Never imports transformers."""
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return getattr(utils, "Conv1D", None)
+
+
+def plain_conv1d(m: nn.Module) -> bool:
+    """transformers' ``Conv1D`` with its own forward (one ``torch.addmm``)."""
+    cls = conv1d_class()
+    return cls is not None and isinstance(m, cls) and type(m).forward is cls.forward
+
+
 def plain_linear(m: nn.Module) -> bool:
     """A Linear whose forward is nn.Linear's own, or the built-in models' (which only casts its
-    input); a subclass that overrides it otherwise is left alone.  The workers compute such a
-    layer's weight gradient themselves, after the input gradient (actors/deferred.py)."""
-    return isinstance(m, nn.Linear) and type(m).forward in LINEAR_FORWARDS
+    input), or transformers' ``Conv1D`` with its own (the same product, the weight transposed);
+    a subclass that overrides it otherwise is left alone.  The workers compute such a layer's
+    weight gradient themselves, after the input gradient (actors/deferred.py)."""
+    if isinstance(m, nn.Linear):
+        return type(m).forward in LINEAR_FORWARDS
+    return plain_conv1d(m)
 
 
 def rows_hook(rows: dict):

@@ -1,6 +1,6 @@
 """The zero-bubble schedules' B/W split for Linear layers (actors/deferred.py), without Ray: the
 gradients of B followed by W equal one whole backward's, on models written as users write them
-(a transformers Llama block, random init; a Linear used twice; a frozen Linear; a subclass with
+(transformers' Llama and GPT-2 blocks, random init; a Linear used twice; a frozen Linear; a subclass with
 its own forward; 3-D inputs), and the layers come back untouched."""
 from __future__ import annotations
 
@@ -271,14 +271,59 @@ def test_what_the_linears_own_products_cover_is_weighed_by_work_not_by_weights()
     assert not any(m._forward_hooks for m in unused.modules())
 
 
-def test_coverage_of_transformers_blocks_llama_s_linears_and_gpt2_s_conv1d():
-    """Code nobody here wrote: a Llama block's projections are nn.Linear (its own products are
-    W), GPT-2's are transformers' Conv1D, not Linears (the chunk takes torch's split)."""
+def gpt2_blocks(n: int, d: int = 32) -> list:
+    """``n`` transformers GPT2Blocks (random init; their projections are transformers' Conv1D,
+    ``addmm(b, x, W)`` with the weight stored (in, out)), each returning the hidden states alone."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
+    cfg = transformers.GPT2Config(n_embd=d, n_head=4, n_positions=16, attn_implementation="eager",
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.block = GPT2Block(cfg, layer_idx=0)
+
+        def forward(self, h):
+            out = self.block(h)
+            return out[0] if isinstance(out, tuple) else out
+
+    return [Block() for _ in range(n)]
+
+
+def test_coverage_of_transformers_blocks_llama_s_linears_and_gpt2_s_conv1d():
+    """Code nobody here wrote: a Llama block's projections are nn.Linear, GPT-2's transformers'
+    Conv1D (the same product, the weight transposed): the own products hold both blocks' weight
+    gradients but their norms' (until 2026-12-02 GPT-2's Conv1D held none: its chunks took torch's
+    split, or none)."""
     torch.manual_seed(6)
     h = torch.randn(2, 6, 32)
     assert coverage(llama_blocks(1)[0], h) > 0.99
-    gpt2 = GPT2Block(transformers.GPT2Config(n_embd=32, n_head=4, n_positions=16), layer_idx=0)
-    assert coverage(gpt2, h) < 0.01
+    assert coverage(gpt2_blocks(1)[0], h) > 0.99
+
+
+def test_a_split_backward_equals_the_whole_one_on_transformers_gpt2_blocks_and_their_conv1d():
+    """GPT-2's Conv1D projections leave their weight products for W (B has none of them) and
+    the gradients equal one whole backward's, over two accumulated backwards; a Conv1D subclass
+    with a forward of its own is left to autograd; uninstalled, the blocks are as they were."""
+    pytest.importorskip("transformers")
+    from transformers.pytorch_utils import Conv1D
+
+    class Scaled(Conv1D):
+        def forward(self, x):
+            return super().forward(x) * 2.0
+
+    torch.manual_seed(7)
+    model = nn.Sequential(*gpt2_blocks(2), Scaled(16, 32)).double()
+    whole, got, gx, before_w, split = grads_whole_and_split(model, torch.randn(3, 6, 32, dtype=torch.float64))
+    for n in whole:
+        torch.testing.assert_close(got[n], whole[n], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gx[1], gx[0], rtol=1e-12, atol=1e-12)
+    conv1d = [n for n, m in model.named_modules() if type(m) is Conv1D]
+    assert len(conv1d) == 8  # each block's c_attn, c_proj, mlp.c_fc, mlp.c_proj
+    assert all(before_w[f"{n}.weight"] is None and before_w[f"{n}.bias"] is None for n in conv1d)
+    assert before_w["0.block.ln_1.weight"] is not None and before_w["2.weight"] is not None
+    deferred.uninstall(split)
+    assert all("forward" not in m.__dict__ for m in split.modules())
+    assert set(split.state_dict()) == set(model.state_dict())

@@ -82,13 +82,25 @@ def test_gpt_layer_list_equals_the_one_process_rebuild(ray_session, tmp_path, to
     assert_equal({k: loaded[k] for k in index["metadata"]["order"]}, got, tol=0)  # model.pt is made of them
 
 
-def test_code_nobody_here_wrote_transformers_gpt2_blocks(ray_session, tmp_path, tokens):
+@pytest.mark.parametrize("schedule", ["1f1b", "zb_h1"])
+def test_code_nobody_here_wrote_transformers_gpt2_blocks(ray_session, tmp_path, tokens, schedule):
+    """GPT-2's projections are transformers' Conv1D: the workers compute their weight products
+    themselves, after the input gradient is sent (actors/deferred.py), so 1F1B's rows report the
+    early sends' plan and ZB-H1 keeps those products for W without trying torch's split (no
+    ``weight_split`` event); the numbers are one process's."""
     model = {"builder": "userpkg.layerlist:hf_gpt2", "args": {"vocab": 64, "d": 32, "heads": 4, "layers": 2,
                                                                "context": 16}}
-    spec = gpt_spec(tokens, 1, 2, model=model, transport="collective")
-    run_job(spec=spec, out=str(tmp_path), progress=False, spec_dir=FIXTURES)
+    spec = gpt_spec(tokens, 1, 2, schedule, model=model, transport="collective")
+    final = run_job(spec=spec, out=str(tmp_path), progress=False, spec_dir=FIXTURES)
     want, _ = reference.train(spec, search=[FIXTURES])
     assert_equal(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert len(rows) == spec.training.steps
+    if schedule == "1f1b":
+        assert all(r.get("sends_early") for r in rows)
+        assert rows[-1]["bubble_plan"] == pytest.approx(1 / 7)  # p = 2, M = 4, F = B = W: 1/7 idle, not 1/5
+    else:
+        assert not [e for e in final["events"] if e["type"] == "weight_split"]
 
 
 @pytest.mark.parametrize("pp", [2, 4])

@@ -165,6 +165,28 @@ def test_where_workers_send_input_gradients_early_the_step_is_the_early_plans():
     assert dp2.step_s == pytest.approx(model_shape(EQUAL8, 2, 2, 16).step_s)
 
 
+def test_where_only_the_last_backward_sends_early_the_step_is_that_plans():
+    """Chunks whose weights are (nearly) not in plain Linears (under ``schedules.FEW_LINEARS`` of
+    their weight-gradient work: F.linear layers, convolutions) split only each worker's last
+    backward of the step (actors/stage.py _check_early), and the planner times that plan: 1F1B
+    at pp = 2, M = 8 takes 26/3 units, as with every send early; at pp = 4, 32/3 against 11.
+    Not with activation checkpointing (the workers keep that backward whole), nor where any chunk's
+    Linears hold 10% or more (their own products follow the send: the textbook plan)."""
+    none = dataclasses.replace(EQUAL8, linear_work=[(0.0, 1.0)] * 8)
+    slot = 0.040 + HOP
+    assert none.last_early([(0, 4), (4, 8)]) and not none.early([(0, 4), (4, 8)])
+    assert model_shape(none, 1, 2, 8).step_s == pytest.approx(26 / 3 * slot)
+    assert model_shape(none, 1, 4, 8).step_s == pytest.approx(32 / 33 * model_shape(EQUAL8, 1, 4, 8).step_s)
+    assert model_shape(none, 1, 2, 8, schedule="gpipe").step_s == model_shape(EQUAL8, 1, 2, 8, schedule="gpipe").step_s
+    assert model_shape(none, 1, 2, 8, schedule="zb_h1").step_s == model_shape(EQUAL8, 1, 2, 8, schedule="zb_h1").step_s
+    checkpointed = dataclasses.replace(none, checkpointing=True)
+    assert not checkpointed.last_early([(0, 4), (4, 8)])
+    some = dataclasses.replace(EQUAL8, linear_work=[(0.0, 1.0)] * 4 + [(0.1, 1.0)] * 4)
+    assert not some.last_early([(0, 4), (4, 8)]) and not some.early([(0, 4), (4, 8)])
+    assert model_shape(some, 1, 2, 8).step_s == pytest.approx(9 * slot)
+    assert not EQUAL8.last_early([(0, 4), (4, 8)])  # not known: the textbook plan
+
+
 def test_the_traced_facts_say_which_layers_hold_a_plain_linear():
     from actors.layerfacts import learn
     from service.spec import parse_spec

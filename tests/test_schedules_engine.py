@@ -179,16 +179,17 @@ def _user_model_job(tmp_path, base, builder: str, args: dict, **over) -> tuple:
     return spec, final, read_jsonl(tmp_path / "metrics.jsonl"), want
 
 
-def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session, tmp_path):
+def test_1f1b_of_layers_that_call_f_linear_reports_the_plan_it_runs(ray_session, tmp_path):
     """1F1B over layers that keep an nn.Linear and call F.linear: nothing is left for after the
     send, so each backward sends its input gradient once all its weight gradients are done, and
-    the rows report textbook 1F1B's plan (1/3 at p = 2, M = 2), not the early sends' (which they
-    reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran 11.1%'s plan);
-    worker 0 waits for worker 1's backward with its three layers' weight gradients (10 ms each).
-    Its Linear head holds 5% of the chunk's weight-gradient work, so from the second step the
-    chunk defers nothing and runs as one without plain Linears: its last backward of a step
-    splits torch's way, its input gradient goes first, and worker 0's last backward (10 ms) runs
-    beside worker 1's weight gradients (30 ms), not after them."""
+    the first step's row reports textbook 1F1B's plan (1/3 at p = 2, M = 2), not the early
+    sends' (which they reported before: the paced bench's 1F1B read 7.7% at M = 8 where it ran
+    11.1%'s plan); worker 0 waits for worker 1's backward with its three layers' weight
+    gradients (10 ms each).  Its Linear head holds 5% of the chunk's weight-gradient work, so
+    from the second step the chunk defers nothing and runs as one without plain Linears: its
+    last backward of a step splits torch's way, its input gradient goes first, and worker 0's
+    last backward (10 ms) runs beside worker 1's weight gradients (30 ms), not after them; those
+    rows say so (``last_sent_early``) and report that plan's bubble (1/4)."""
     ms = 10.0
     spec, final, rows, _ = _user_model_job(tmp_path, spec_of(1, 2, "1f1b", "collective", steps=3,
                                                              parallelism={"partition": [2, 4]}),
@@ -196,7 +197,13 @@ def test_1f1b_of_layers_that_call_f_linear_reports_the_textbook_plan(ray_session
                                            training={"microbatch_size": 32})
     assert spec.microbatches == 2
     assert not any(r.get("sends_early") for r in rows)
-    assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 3] * 3)
+    assert [bool(r.get("last_sent_early")) for r in rows] == [False, True, True]
+    assert [r["bubble_plan"] for r in rows] == pytest.approx([1 / 3, 1 / 4, 1 / 4])
+    # the timeline page's entry of step 3, as the service stores it (actors/record.py commit), says so too
+    shape = next(e for e in read_jsonl(tmp_path / "events.jsonl") if e["type"] == "shape")
+    view = timeline.view(timeline.record(3, {**shape, "last_sent_early": True}, final["timelines"][-1]["workers"]))
+    assert view["last_sent_early"] and view["utilization_plan"] == pytest.approx(3 / 4)
+    assert 'data-last-sent-early="1"' in timeline.render_svg(view)
     lanes = final["timelines"][-1]["workers"]  # step 3 (torch's split pays a one-time start-up in step 2)
     first_b = next(t0 for a, t0, _ in lanes["w0.0"] if a == "0B0")
     its_b = next((t0, t1) for a, t0, t1 in lanes["w0.1"] if a == "1B0")

@@ -554,6 +554,8 @@ async function loadTimeline(v, job, gen) {
   const group = Number(root.getAttribute("data-weight-group") || 1);
   $("#util-plan").title = root.getAttribute("data-sends-early")
     ? "the plan with input gradients sent early: each backward sends the gradient of its input before computing its weight gradients (plain Linear layers), so the stage before waits less"
+    : root.getAttribute("data-last-sent-early")
+    ? "the schedule's plan with each worker's last backward of the step sending its input gradient before its weight gradients (torch's split of that backward: the weights are not in plain Linear layers), backward = 2 x forward"
     : group > 1
     ? `the schedule's plan with its W's in groups of ${group} microbatches, each group where its last W stood (each W box: an equal share of its group's one product), backward = 2 x forward`
     : "the schedule's plan, backward = 2 x forward";
