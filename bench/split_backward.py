@@ -24,7 +24,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
@@ -50,23 +50,12 @@ def _conv_stage() -> nn.Module:
 
 def _gpt2_stage(d: int = 256, heads: int = 4, seq: int = 64) -> nn.Module:
     """4 transformers GPT2Blocks (width 256, 64 tokens; their projections are transformers'
-    Conv1D, which relaytrain's own products cover since 2026-12-02), each returning its hidden states."""
-    import transformers
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    Conv1D, which relaytrain's own products cover since 2026-12-02): bench/gpt2_schedules.py's block."""
+    from gpt2_schedules import GPT2
 
-    cfg = transformers.GPT2Config(n_embd=d, n_head=heads, n_positions=seq, attn_implementation="eager",
-                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.block = GPT2Block(cfg, layer_idx=0)
-
-        def forward(self, h):
-            out = self.block(h)
-            return out[0] if isinstance(out, tuple) else out
-
-    return nn.Sequential(*[Block() for _ in range(4)])
+    ns: dict = {}
+    exec(GPT2, ns)  # the module that bench writes for its jobs
+    return nn.Sequential(*[ns["Block"](d, heads, seq) for _ in range(4)])
 
 
 def measure(mbs: int, runs: int = 60, build=_stage, shape: tuple = (1024,)) -> dict:
