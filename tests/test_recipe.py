@@ -148,7 +148,9 @@ def test_bf16_losses_follow_the_one_process_bf16_loop(ray_session, tmp_path):
     # and the plan's bubble is the textbook 1F1B's
     assert not any(r.get("sends_early") for r in rows)
     m = spec.microbatches
-    assert rows[-1]["bubble_plan"] == pytest.approx(1 / (m + 1))
+    # (its last backward of a step splits torch's way: the rows report that plan, 1/13 at M = 8, not 1/9)
+    assert rows[-1].get("last_sent_early") and rows[-1]["bubble_plan"] == pytest.approx(
+        float(schedules.simulate(schedules.build("1f1b", 2, m), last_early=True).bubble))
 
 
 def test_a_resume_in_another_shape_follows_the_schedule_and_equals_one_process(ray_session, tmp_path):
