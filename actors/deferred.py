@@ -59,11 +59,7 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, g):
         x, weight = ctx.saved_tensors
         gx = g.matmul(weight) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            if ctx.pending.into is None:  # a backward outside the runner's B: do it now
-                weight_grads([(ctx.module, x, g)])
-            else:
-                ctx.pending.into.append((ctx.module, x, g))
+        _keep_pair(ctx, x, g)
         return gx, None, None, None, None
 
 
@@ -83,12 +79,18 @@ class _Conv1D(torch.autograd.Function):
         x2, weight = ctx.saved_tensors
         g2 = g.reshape(-1, g.shape[-1])
         gx = g2.mm(weight.t()).view(ctx.shape) if ctx.needs_input_grad[0] else None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            if ctx.pending.into is None:
-                weight_grads([(ctx.module, x2, g2)])
-            else:
-                ctx.pending.into.append((ctx.module, x2, g2))
+        _keep_pair(ctx, x2, g2)
         return gx, None, None, None, None
+
+
+def _keep_pair(ctx, x: torch.Tensor, g: torch.Tensor) -> None:
+    """A layer's (input, grad_out) pair for W, where its weight or bias wants a gradient; in a
+    backward outside the runner's B, its weight gradients at once."""
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+        if ctx.pending.into is None:
+            weight_grads([(ctx.module, x, g)])
+        else:
+            ctx.pending.into.append((ctx.module, x, g))
 
 
 def _accumulate(p: nn.Parameter, value: torch.Tensor) -> None:

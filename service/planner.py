@@ -88,11 +88,15 @@ class LayerFacts:
         dp > 1, one chunk)."""
         if self.linear_work is None or (self.gpu and dp > 1 and chunks == 1):
             return False
+        return all(mine >= schedules.LINEAR_COVER * total for mine, total in self._linear_shares(bounds))
+
+    def _linear_shares(self, bounds: Sequence[tuple[int, int]]):
+        """(its plain Linears' weight-gradient work, all of it) of each chunk of ``bounds`` that
+        holds parameters and has such work."""
         for lo, hi in bounds:
             mine, total = (sum(w[k] for w in self.linear_work[lo:hi]) for k in (0, 1))
-            if any(self.param_bytes[lo:hi]) and total and mine < schedules.LINEAR_COVER * total:
-                return False
-        return True
+            if any(self.param_bytes[lo:hi]) and total:
+                yield mine, total
 
     def last_early(self, bounds: Sequence[tuple[int, int]], dp: int = 1, chunks: int = 1) -> bool:
         """Whether each worker's last backward of the step sends its input gradient before its
@@ -102,11 +106,7 @@ class LayerFacts:
         activation checkpointing, nor where the gradient sum starts during backward."""
         if self.linear_work is None or self.checkpointing or (self.gpu and dp > 1 and chunks == 1):
             return False
-        for lo, hi in bounds:
-            mine, total = (sum(w[k] for w in self.linear_work[lo:hi]) for k in (0, 1))
-            if any(self.param_bytes[lo:hi]) and total and mine >= schedules.FEW_LINEARS * total:
-                return False
-        return True
+        return all(mine < schedules.FEW_LINEARS * total for mine, total in self._linear_shares(bounds))
 
     def held_bytes(self, lo: int, hi: int, input_bytes: int) -> int:
         """Bytes one microbatch in flight holds on a stage of layers [lo, hi) between its
@@ -354,7 +354,7 @@ def _plan_model(schedule: str, pp: int, m: int, chunks: int, early: bool = False
     the same order and activations); ``last``: only each worker's last backward of the step so
     (``schedules.simulate``'s ``last_early``).  GPipe and 1F1B in closed form (what their
     simulation gives), the others simulated; cached, as the planner models many shapes."""
-    if schedule == "gpipe" and chunks == 1 and not early:  # (its last backwards gain nothing: simulate)
+    if schedule == "gpipe" and chunks == 1 and not early:  # (``last`` changes nothing in GPipe: its stage before is busy)
         return float(m + pp - 1), tuple(Fraction(m) for _ in range(pp))
     if schedule == "1f1b" and chunks == 1 and not early and not last:
         return float(m + pp - 1), tuple(Fraction(min(m, pp - i)) for i in range(pp))
