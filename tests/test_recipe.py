@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from actors.runner import run_job
+from service import schedules
 from service.spec import parse_spec
 from tests import reference
 
