@@ -303,6 +303,29 @@ def test_finish_ends_a_job_after_the_step_under_way_keeping_and_evaluating_its_m
     assert all("eval_loss" not in r for r in rows[:-1])
 
 
+def _stop_outside_a_store_write(pid: int, db: str) -> None:
+    """SIGSTOP the process ``pid`` at a moment it holds no write lock on the SQLite job store
+    ``db``: a job's scheduler writes its metrics rows there, and one stopped inside such a
+    write holds every other writer (the cancel's own request) for SQLite's 30 s busy timeout
+    (2026-12-04, a fresh-clone run: the cancel's answer timed out after 30 s).  A scheduler
+    that is slow but running ends its write in milliseconds; that is the case tested here."""
+    import sqlite3
+
+    for _ in range(50):
+        os.kill(pid, signal.SIGSTOP)
+        con = sqlite3.connect(db, timeout=0.2)
+        try:
+            con.execute("BEGIN IMMEDIATE")  # free: the stopped process holds no write lock
+            con.rollback()
+            return
+        except sqlite3.OperationalError:  # "database is locked": stopped mid-write
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(0.05)
+        finally:
+            con.close()
+    raise AssertionError(f"the scheduler (pid {pid}) held the job store's write lock at 50 tries")
+
+
 def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_it_in_order(server, ray_session):
     """A scheduler that answers the cancel late (here: paused with SIGSTOP for 8 s, as a busy or
     niced one would be) is not taken for a dead one: the job is not marked cancelled "before it
@@ -313,7 +336,7 @@ def test_cancel_of_a_running_job_whose_scheduler_is_slow_to_answer_still_stops_i
     with server.client() as c:
         job = running_job(c, "slow-sched")
         pid = ray_session.get(launch.find_scheduler(job["id"]).__ray_call__.remote(lambda actor: os.getpid()))
-        os.kill(pid, signal.SIGSTOP)
+        _stop_outside_a_store_write(pid, os.path.join(server.home, "relaytrain.db"))
         try:
             t0 = time.monotonic()
             r = c.post(f"/v1/jobs/{job['id']}/cancel", timeout=30)
