@@ -270,7 +270,7 @@ class RelayContestant(Contestant):
         return self.job.pids()
 
     def all_pids(self) -> list[int]:
-        return self.job.pids() + self.job.scheduler_pid()
+        return self.job.pids() + [self.job.scheduler_pid()]
 
     def stop(self) -> None:
         self.job.stop()
@@ -398,22 +398,24 @@ class Pause:
     when it uses both cores and the one process, on one core, does not.  Stopped, they take
     nothing; a node running one job has no such neighbours."""
 
-    def __init__(self, pids: dict[str, list[int]]):
-        self.pids, self.stopped = pids, set()
+    def __init__(self):
+        self.pids: dict[str, list[int]] = {}  # per contestant, once they are up (empty: nothing paused)
+        self.stopped: set[str] = set()
 
-    def all_but(self, name: Optional[str]) -> None:
+    def turn(self, name: Optional[str]) -> None:
+        """Contestant ``name`` runs, every other one is stopped (None: every one runs)."""
         import signal
 
         for who, ps in self.pids.items():
-            want = who != name and name is not None
-            if want == (who in self.stopped):
+            stop = name is not None and who != name
+            if stop == (who in self.stopped):
                 continue
             for p in ps:
                 try:
-                    os.kill(p, signal.SIGSTOP if want else signal.SIGCONT)
+                    os.kill(p, signal.SIGSTOP if stop else signal.SIGCONT)
                 except ProcessLookupError:
                     pass
-            (self.stopped.add if want else self.stopped.discard)(who)
+            (self.stopped.add if stop else self.stopped.discard)(who)
 
 
 def run_cell(m: int, mbs: int, args, raytrain) -> dict:
@@ -433,6 +435,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
         skipped.append({"contestant": c.name, "reason": str(e)})
         cs.remove(c)
 
+    idle = Pause()
     try:
         for c in list(cs):
             try:
@@ -467,11 +470,12 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
         extra = {c.name: [] for c in cs}
         faults = {c.name: [] for c in cs}
         pids = {c.name: c.pids() for c in cs}
-        idle = Pause({c.name: c.all_pids() for c in cs} if args.pause_idle else {})
+        if args.pause_idle:
+            idle.pids = {c.name: c.all_pids() for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
             for c in order:
-                idle.all_but(c.name)
+                idle.turn(c.name)
                 f0 = [memory.proc_faults(p) for p in pids[c.name]]
                 recs = c.run(1 + args.steps)
                 f1 = [memory.proc_faults(p) for p in pids[c.name]]
@@ -488,8 +492,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
             log(f"{tag}: round {r + 1}/{args.rounds} done (load {load()})")
         worst = check_losses(losses, f"{tag}, all {len(losses[cs[0].name])} steps")
     finally:
-        if "idle" in locals():
-            idle.all_but(None)  # every process running again before the stops
+        idle.turn(None)  # every process running again before the stops
         for c in started:
             try:
                 c.stop()

@@ -155,8 +155,8 @@ class Relaytrain:
     def pids(self) -> list[int]:
         return ray.get(self.sched.pids.remote())
 
-    def scheduler_pid(self) -> list[int]:
-        return [ray.get(self.sched.__ray_call__.remote(_pid))]
+    def scheduler_pid(self) -> int:
+        return ray.get(self.sched.__ray_call__.remote(_pid))
 
     def shape(self) -> dict:
         return ray.get(self.sched.shape.remote())
