@@ -12,7 +12,7 @@ import ray
 
 from actors import codepkg, nodeenv
 from service import logtext, packages, rayconnect
-from service.names import NAMESPACE, is_scheduler, on_the_head, placement_group_name, scheduler_name, tp_group_prefix
+from service.names import NAMESPACE, is_scheduler, job_of_placement_group, on_the_head, placement_group_name, scheduler_name
 from service.spec import JobSpec, SpecError
 
 RUNTIME_ENV_EXCLUDES = [*packages.EXCLUDED_DIRS, *(f"*{s}" for s in packages.EXCLUDED_SUFFIXES)]
@@ -199,19 +199,32 @@ def release_placement_group(job_id: str) -> None:
         ray.util.remove_placement_group(ray.util.get_placement_group(placement_group_name(job_id)))
     except Exception:
         pass  # none was made, or it is gone already
-    from ray.util.placement_group import PlacementGroup
+    remove_placement_groups(placement_groups_by_job().get(job_id, []))
 
+
+def placement_groups_by_job() -> dict[str, list[str]]:
+    """The placement groups of relaytrain's jobs that Ray has not removed (hex ids), by job id;
+    empty when Ray's table cannot be read."""
     try:
         table = ray.util.placement_group_table()
     except Exception:
-        return
-    prefix = tp_group_prefix(job_id)
+        return {}
+    out: dict[str, list[str]] = {}
     for pg_id, info in table.items():
-        if (info.get("name") or "").startswith(prefix) and info.get("state") != "REMOVED":
-            try:
-                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
-            except Exception:
-                pass
+        job_id = job_of_placement_group(info.get("name") or "")
+        if job_id and info.get("state") != "REMOVED":
+            out.setdefault(job_id, []).append(pg_id)
+    return out
+
+
+def remove_placement_groups(pg_ids) -> None:
+    from ray.util.placement_group import PlacementGroup
+
+    for pg_id in pg_ids:
+        try:
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+        except Exception:
+            pass  # gone meanwhile
 
 
 def stop_at_boundary(sched, grace: float = 10.0) -> None:

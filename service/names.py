@@ -24,6 +24,17 @@ def tp_group_prefix(job_id: str) -> str:
     return f"{placement_group_name(job_id)}-tp"
 
 
+def job_of_placement_group(name: str) -> str | None:
+    """The job whose placement group (:func:`placement_group_name`, :func:`tp_group_name`) is
+    named ``name``; None for any other name."""
+    if not name.startswith("relaytrain:"):
+        return None
+    job_id, _, kind = name[len("relaytrain:"):].rpartition(":")
+    if job_id and (kind == "workers" or kind.startswith("workers-tp")):
+        return job_id
+    return None
+
+
 def tp_group_name(job_id: str, n: int) -> str:
     """The placement group of an elastic job's n-th tensor-parallel group (one node each)."""
     return f"{tp_group_prefix(job_id)}{n}"

@@ -426,6 +426,47 @@ def test_job_whose_actor_is_gone_is_marked_failed(server, ray_session):
     assert leaked() == []
 
 
+def test_worker_slots_an_ended_job_still_holds_are_given_back(server, ray_session):
+    """A placement group that outlived its job (in one suite run a cancel's release raced the
+    cancelled scheduler's own reservation, and 2 of the 8 CPUs stayed held with nobody to free
+    them) is removed by the control plane's reconcile once the job has ended and its scheduler
+    is gone; a running job's, and one of a job this store does not know, are left alone."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    def state_of(pg) -> str:
+        return ray_session.util.placement_group_table(pg)["state"]
+
+    with server.client() as c:
+        ended = c.post("/v1/jobs", json=small_spec("ended", steps=1)).json()
+        wait_state(c, ended["id"], {"SUCCEEDED"})
+        running = c.post("/v1/jobs", json=small_spec("running", steps=100000)).json()
+        wait_state(c, running["id"], {"RUNNING"})
+        left = placement_group([{"CPU": 1}], name=placement_group_name(ended["id"]), lifetime="detached")
+        stranger = placement_group([{"CPU": 0.5}], name=placement_group_name("not-this-stores-job"),
+                                   lifetime="detached")
+        try:
+            assert left.wait(30) and stranger.wait(30)
+            deadline = time.monotonic() + 20  # the reconcile runs every second here
+            while state_of(left) != "REMOVED" and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert state_of(left) == "REMOVED"
+            assert state_of(stranger) == "CREATED"
+            assert any(pg.get("name") == placement_group_name(running["id"]) and pg["state"] == "CREATED"
+                       for pg in ray_session.util.placement_group_table().values())
+            step = c.get(f"/v1/jobs/{running['id']}").json()["step"]
+            deadline = time.monotonic() + 30
+            while c.get(f"/v1/jobs/{running['id']}").json()["step"] == step and time.monotonic() < deadline:
+                time.sleep(0.3)
+            assert c.get(f"/v1/jobs/{running['id']}").json()["step"] > step  # it trains on
+            said = open(server.log.name).read()
+            assert (f"job {ended['id']} ended SUCCEEDED, but 1 placement group(s) of its workers were still held; "
+                    "releasing them") in said, said[-2000:]
+        finally:
+            remove_placement_group(stranger)
+            c.post(f"/v1/jobs/{running['id']}/cancel")
+            wait_state(c, running["id"], {"CANCELLED"}, timeout=60)
+
+
 def test_tenants_are_isolated(server):
     with server.client(ALICE) as a, server.client(BOB) as b:
         job = a.post("/v1/jobs", json=small_spec("alices", steps=2)).json()
