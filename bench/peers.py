@@ -418,9 +418,13 @@ class Pause:
             (self.stopped.add if stop else self.stopped.discard)(who)
 
 
-def run_cell(m: int, mbs: int, args, raytrain) -> dict:
-    """One (mbs, M): start the contestants, check they train alike, time them in rounds."""
-    steps_total = args.check + args.rounds * (1 + args.steps)
+def run_cell(m: int, mbs: int, args, raytrain) -> list[dict]:
+    """One (mbs, M): start the contestants, check they train alike, time them in rounds.  One
+    result, or with ``--pause-idle ab`` two: every round runs each contestant once with the
+    others stopped and once with them idle (which first alternating by round), each set of
+    figures its own result (``idle``: "stopped" / "running")."""
+    settings = {None: [False], "on": [True], "ab": [True, False]}[args.pause_idle]
+    steps_total = args.check + args.rounds * len(settings) * (1 + args.steps)
     cs, skipped = contestants(m, mbs, steps_total, raytrain, args)
     started = list(cs)
     tag = f"mbs={mbs} M={m}"
@@ -464,18 +468,17 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
         log(f"{tag}: {len(cs)} contestants up and agreeing after {args.check} steps (largest relative loss "
             f"difference {worst:.1e}, largest parameter difference {dparam:.1e}) after {time.time() - t0:.0f} s "
             f"(up in {t_ready:.0f} s)")
-        times = {c.name: [] for c in cs}
-        bubbles = {c.name: [] for c in cs}
-        plans = {c.name: [] for c in cs}
-        extra = {c.name: [] for c in cs}
-        faults = {c.name: [] for c in cs}
+        got = {stop: {k: {c.name: [] for c in cs} for k in ("times", "bubbles", "plans", "extra", "faults")}
+               for stop in settings}
         pids = {c.name: c.pids() for c in cs}
         if args.pause_idle:
             idle.pids = {c.name: c.all_pids() for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
-            for c in order:
-                idle.turn(c.name)
+            for stop, c in [(stop, c) for stop in (settings if r % 2 == 0 else settings[::-1]) for c in order]:
+                times, bubbles, plans, extra, faults = (got[stop][k] for k in ("times", "bubbles", "plans",
+                                                                                "extra", "faults"))
+                idle.turn(c.name if stop else None)
                 f0 = [memory.proc_faults(p) for p in pids[c.name]]
                 recs = c.run(1 + args.steps)
                 f1 = [memory.proc_faults(p) for p in pids[c.name]]
@@ -498,6 +501,20 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
                 c.stop()
             except Exception as e:
                 log(f"stopping {c.name}: {e}")
+    out = []
+    for stop in settings:
+        res = _cell_result(cs, m, mbs, args, shapes, losses, **got[stop])
+        if len(settings) > 1:
+            res["idle"] = "stopped" if stop else "running"
+        out.append(dict(res, max_rel_loss_diff=worst, max_param_diff_after_check=dparam, left_out=skipped,
+                        seconds=time.time() - t0))
+    log(f"{tag}: done in {time.time() - t0:.0f} s; largest relative loss difference {worst:.1e}")
+    return out
+
+
+def _cell_result(cs: list, m: int, mbs: int, args, shapes: dict, losses: dict, times: dict, bubbles: dict,
+                 plans: dict, extra: dict, faults: dict) -> dict:
+    """One (mbs, M)'s rows, each contestant's figures from its timed steps, and its summary."""
     rows = []
     for c in cs:
         ts = sorted(times[c.name])
@@ -535,10 +552,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> dict:
             best = min(peers, key=lambda r: r["step_s"])
             row["vs_best_peer"] = best["step_s"] / row["step_s"]
             row["best_peer"] = best["contestant"]
-    log(f"{tag}: done in {time.time() - t0:.0f} s; largest relative loss difference {worst:.1e}")
-    return {"M": m, "mbs": mbs, "pp": args.pp, "rows": rows, "summary": summarize(rows, args.pp, m),
-            "left_out": skipped, "max_rel_loss_diff": worst, "max_param_diff_after_check": dparam,
-            "seconds": time.time() - t0}
+    return {"M": m, "mbs": mbs, "pp": args.pp, "rows": rows, "summary": summarize(rows, args.pp, m)}
 
 
 def check_chunks(cs: list[Contestant], tag: str) -> dict[str, dict]:
@@ -660,6 +674,11 @@ def _faults(x: Optional[float]) -> str:
     return "" if x is None else f"{x:,.0f}"
 
 
+def _m(res: dict) -> str:
+    """A result's M, and with ``--pause-idle ab`` whether the other contestants were stopped."""
+    return f"{res['M']} (others {res['idle']})" if "idle" in res else str(res["M"])
+
+
 def table(results: list[dict]) -> str:
     lines = ["| contestant | mbs | M | step time median (ms) | IQR (ms) | samples/s | vs best peer | pipeline "
              "efficiency | measured bubble | plan bubble | page faults a step |",
@@ -668,7 +687,7 @@ def table(results: list[dict]) -> str:
         for r in res["rows"]:
             vs = f"{r['vs_best_peer']:.2f}" if "vs_best_peer" in r else ""
             eff = f"{r['efficiency']:.2f}" if "efficiency" in r else ""
-            lines.append(f"| {r['contestant']} | {r['mbs']} | {r['M']} | {_ms(r['step_s'])} | {_ms(r['iqr_s'])} | "
+            lines.append(f"| {r['contestant']} | {r['mbs']} | {_m(res)} | {_ms(r['step_s'])} | {_ms(r['iqr_s'])} | "
                          f"{r['samples_per_s']:.0f} | {vs} | {eff} | {_pct(r['bubble'])} | {_pct(r['bubble_plan'])} | "
                          f"{_faults(r.get('faults_per_step'))} |")
     return "\n".join(lines)
@@ -702,7 +721,7 @@ def summary_tables(results: list[dict], schedules: list[str]) -> str:
         if "zb_h1_over_1f1b" in s:
             zb = f"{s['zb_h1_over_1f1b']:.2f}" + (f" ({_goal(s['zb_h1_over_1f1b'] <= 0.5)})" if res["M"] == 8 else "")
         bub = " | ".join(_pct(s["bubbles"].get(x)) for x in schedules)
-        lines.append(f"| {res['mbs']} | {res['M']} | {rb['contestant'].removeprefix('relaytrain ') if rb else ''} | "
+        lines.append(f"| {res['mbs']} | {_m(res)} | {rb['contestant'].removeprefix('relaytrain ') if rb else ''} | "
                      f"{_ms(rb['step_s']) if rb else ''} | "
                      f"{tb['contestant'].removeprefix('torch.pipelining ') if tb else ''} | "
                      f"{_ms(tb['step_s']) if tb else ''} | {ratio} | {eff} | {bub} | {zb} |")
@@ -723,7 +742,7 @@ def summary_tables(results: list[dict], schedules: list[str]) -> str:
         if not w or not rb:
             continue
         per = lambda d: ", ".join(f"{k} {v * 1e3:.0f}" for k, v in d.items())  # noqa: E731
-        lines.append(f"| {res['mbs']} | {res['M']} | {rb['contestant'].removeprefix('relaytrain ')} | "
+        lines.append(f"| {res['mbs']} | {_m(res)} | {rb['contestant'].removeprefix('relaytrain ')} | "
                      f"{_ms(rb['step_s'])} | {per(w['busy_s'])} | {per(w['waiting_s'])} | {_ms(w['allreduce_s'])} | "
                      f"{_ms(w.get('optimizer_s'))} | {_ms(w.get('batch_s'))} | {_ms(w['dispatch_gather_s'])} | "
                      f"{_ms(w.get('call_wait_s'))} |")
@@ -742,6 +761,8 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    if any("idle" in res for res in results):  # --pause-idle ab: the figures with the others stopped
+        results = [res for res in results if res.get("idle") == "stopped"]
     sizes = sorted({res["mbs"] for res in results})
     names = list(dict.fromkeys(r["contestant"] for res in results for r in res["rows"]
                                if r["group"] in ("base", "pipeline")))
@@ -819,8 +840,10 @@ def main() -> None:
                     "(actors/, service/) in DIR, e.g. `git archive HEAD~1 actors service | tar -x -C DIR`: "
                     "before/after figures of an engine change from one interleaved run (each contestant's "
                     "scheduler is checked to import from DIR)")
-    ap.add_argument("--pause-idle", action="store_true", help="stop (SIGSTOP) every contestant's processes but "
-                    "those of the one whose turn it is, so idle contestants' Ray threads take no CPU from it")
+    ap.add_argument("--pause-idle", nargs="?", const="on", choices=["on", "ab"], default=None,
+                    help="stop (SIGSTOP) every contestant's processes but those of the one whose turn it is, so "
+                    "idle contestants' Ray threads take no CPU from it; `--pause-idle ab`: every round times each "
+                    "contestant both ways (which first alternating by round), reported as two sets of figures")
     ap.add_argument("--no-raytrain", action="store_true", help="leave Ray Train out (it needs the bench extra)")
     ap.add_argument("--out", default=None, help="path prefix of the results (.json/.txt/.png; default "
                     "bench/results/peers, with --quick bench/results/peers_quick)")
@@ -872,7 +895,7 @@ def main() -> None:
             raytrain.start()
         for mbs in sizes:
             for m in ms:
-                results.append(run_cell(m, mbs, args, raytrain))
+                results += run_cell(m, mbs, args, raytrain)
                 # each size's figures are kept as soon as they are in: a later failure loses only its own
                 write(results, args, ms, sizes, load_start, t_start, final=False)
     finally:
@@ -895,6 +918,8 @@ def write(results: list, args, ms: list, sizes: list, load_start, t_start: float
     header = (f"{peers_spec.DESCRIPTION}; p = {args.pp}; {args.rounds} interleaved rounds x {args.steps} timed steps "
               f"per contestant and (mbs, M); one thread per worker; 2 cores; load average {load_start} at start, "
               f"{load_end} at end; {time.time() - t_start:.0f} s; {time.strftime('%Y-%m-%d')}")
+    header += {None: "", "on": "; idle contestants stopped (--pause-idle)",
+               "ab": "; each round with the idle contestants stopped and running (--pause-idle ab)"}[args.pause_idle]
     if not final:
         header += f"; PARTIAL: {len(results)} of {len(ms) * len(sizes)} sizes so far"
     else:
@@ -909,7 +934,7 @@ def write(results: list, args, ms: list, sizes: list, load_start, t_start: float
                    "chunks": {v: peers_spec.chunk_sizes(args.pp * v) for v in (1, 2)},
                    "schedules": args.schedules, "torch_schedules": args.torch_schedules,
                    "transports": args.transports, "rounds": args.rounds, "timed_steps_per_round": args.steps,
-                   "check_steps": args.check, "rtol": RTOL, "atol": ATOL},
+                   "check_steps": args.check, "rtol": RTOL, "atol": ATOL, "pause_idle": args.pause_idle},
         "results": results, "complete": final}, indent=1))
     if not final:
         return

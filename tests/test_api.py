@@ -426,6 +426,16 @@ def test_job_whose_actor_is_gone_is_marked_failed(server, ray_session):
     assert leaked() == []
 
 
+def test_placement_group_names_give_their_job():
+    from service.names import job_of_placement_group, tp_group_name
+
+    assert job_of_placement_group(placement_group_name("busy1-926cbad9")) == "busy1-926cbad9"
+    assert job_of_placement_group(tp_group_name("busy1-926cbad9", 3)) == "busy1-926cbad9"
+    assert job_of_placement_group(scheduler_name("busy1-926cbad9")) is None
+    assert job_of_placement_group("someone-else:busy1:workers") is None
+    assert job_of_placement_group("relaytrain::workers") is None
+
+
 def test_worker_slots_an_ended_job_still_holds_are_given_back(server, ray_session):
     """A placement group that outlived its job (in one suite run a cancel's release raced the
     cancelled scheduler's own reservation, and 2 of the 8 CPUs stayed held with nobody to free
