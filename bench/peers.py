@@ -423,7 +423,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> list[dict]:
     result, or with ``--pause-idle ab`` two: every round runs each contestant once with the
     others stopped and once with them idle (which first alternating by round), each set of
     figures its own result (``idle``: "stopped" / "running")."""
-    settings = {None: [False], "on": [True], "ab": [True, False]}[args.pause_idle]
+    settings = {"off": [False], "on": [True], "ab": [True, False]}[args.pause_idle]
     steps_total = args.check + args.rounds * len(settings) * (1 + args.steps)
     cs, skipped = contestants(m, mbs, steps_total, raytrain, args)
     started = list(cs)
@@ -471,7 +471,7 @@ def run_cell(m: int, mbs: int, args, raytrain) -> list[dict]:
         got = {stop: {k: {c.name: [] for c in cs} for k in ("times", "bubbles", "plans", "extra", "faults")}
                for stop in settings}
         pids = {c.name: c.pids() for c in cs}
-        if args.pause_idle:
+        if args.pause_idle != "off":
             idle.pids = {c.name: c.all_pids() for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
@@ -840,10 +840,11 @@ def main() -> None:
                     "(actors/, service/) in DIR, e.g. `git archive HEAD~1 actors service | tar -x -C DIR`: "
                     "before/after figures of an engine change from one interleaved run (each contestant's "
                     "scheduler is checked to import from DIR)")
-    ap.add_argument("--pause-idle", nargs="?", const="on", choices=["on", "ab"], default=None,
-                    help="stop (SIGSTOP) every contestant's processes but those of the one whose turn it is, so "
-                    "idle contestants' Ray threads take no CPU from it; `--pause-idle ab`: every round times each "
-                    "contestant both ways (which first alternating by round), reported as two sets of figures")
+    ap.add_argument("--pause-idle", nargs="?", const="on", choices=["on", "off", "ab"], default="on",
+                    help="on (the default since 2026-12-04): stop (SIGSTOP) every contestant's processes but those "
+                    "of the one whose turn it is, so idle contestants' Ray threads take no CPU from it; off: leave "
+                    "them running, as before; ab: every round times each contestant both ways (which first "
+                    "alternating by round), reported as two sets of figures")
     ap.add_argument("--no-raytrain", action="store_true", help="leave Ray Train out (it needs the bench extra)")
     ap.add_argument("--out", default=None, help="path prefix of the results (.json/.txt/.png; default "
                     "bench/results/peers, with --quick bench/results/peers_quick)")
@@ -918,7 +919,7 @@ def write(results: list, args, ms: list, sizes: list, load_start, t_start: float
     header = (f"{peers_spec.DESCRIPTION}; p = {args.pp}; {args.rounds} interleaved rounds x {args.steps} timed steps "
               f"per contestant and (mbs, M); one thread per worker; 2 cores; load average {load_start} at start, "
               f"{load_end} at end; {time.time() - t_start:.0f} s; {time.strftime('%Y-%m-%d')}")
-    header += {None: "", "on": "; idle contestants stopped (--pause-idle)",
+    header += {"off": "; idle contestants left running (--pause-idle off)", "on": "; idle contestants stopped",
                "ab": "; each round with the idle contestants stopped and running (--pause-idle ab)"}[args.pause_idle]
     if not final:
         header += f"; PARTIAL: {len(results)} of {len(ms) * len(sizes)} sizes so far"
