@@ -52,6 +52,12 @@ step time (goal >= 0.8 at M = 8); and where the step of relaytrain's best schedu
 and waiting per worker, all-reduce, the deferred optimizer step, building the batch, and
 dispatch, gather and the scheduler's own work).
 
+While a contestant runs its turn, every other contestant's processes are stopped (SIGSTOP;
+SIGCONT at its own turn): held at a step boundary, each of them still spends about 1% of a core
+on Ray's own threads, which a pipeline using both cores would lose.  ``--pause-idle off`` leaves
+them running (every run before 2026-12-04); ``--pause-idle ab`` times each contestant both ways
+in every round and reports the two sets of figures side by side.
+
 Writes bench/results/peers.json, peers.txt (the tables) and peers.png (step time against M, one
 panel per microbatch size; ``--quick``: peers_quick.*).  The full run takes 20-45 minutes on
 2 cores.
