@@ -299,6 +299,9 @@ class RayTrainContestant(Contestant):
     def params(self) -> dict:
         return self.trainer.params()
 
+    def all_pids(self) -> list[int]:
+        return self.trainer.pids()
+
 
 def relay_spec(m: int, mbs: int, **kw):
     """peers_spec's job for relaytrain, or (None, why) when this engine does not take it.  A

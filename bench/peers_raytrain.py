@@ -85,7 +85,7 @@ def train_loop(config: dict) -> None:
                 result = {k: v.detach().clone() for k, v in runner.model.module.state_dict().items()}
             elif cmd[0] == "setup":
                 runner = DDPReplica(cmd[1], rank, world)
-                result = "ready"
+                result = {"ready": True, "pid": os.getpid()}
             else:
                 result = runner.run(cmd[1])
         except BaseException as e:
@@ -152,6 +152,7 @@ class RayTrainDDP:
         self.scratch = tempfile.mkdtemp(prefix="peers-raytrain-")
         self.gate = Gate.options(name=GATE, namespace=NAMESPACE).remote()
         self.thread = None
+        self.worker_pids: list[int] = []
 
     def start(self) -> None:
         from ray.train import RunConfig, ScalingConfig
@@ -189,7 +190,16 @@ class RayTrainDDP:
         return got
 
     def setup(self, m: int, timeout: float = 300.0) -> None:
-        self._call(("setup", m), timeout)
+        got = self._call(("setup", m), timeout)
+        self.worker_pids = [got[r]["pid"] for r in range(self.world)]
+
+    def pids(self) -> list[int]:
+        """Its train workers' processes and its controller's (``--pause-idle`` stops them between
+        its turns; the controller's health checks of the workers, every 2 s, stop with them)."""
+        controllers = [a["Pid"] for a in ray._private.state.actors().values()
+                       if a.get("State") == "ALIVE" and "TrainController" in (a.get("ActorClassName") or "")
+                       and a.get("Pid")]
+        return self.worker_pids + controllers
 
     def run(self, n: int) -> list[dict]:
         got = self._call(("run", n), 600.0)
