@@ -534,19 +534,22 @@ class JobManager:
                 if fresh and not JobState(fresh["state"]).is_terminal:
                     self._scheduler_lost(fresh)
                     lost += 1
-        self._release_leftover_slots()
+        self._release_leftover_slots(active={j["id"] for j in jobs})
         return lost
 
-    def _release_leftover_slots(self) -> None:
+    def _release_leftover_slots(self, active: set) -> None:
         """Remove the placement groups still held by jobs of this store that ended and whose
         scheduler is gone: nothing else would free those worker slots (a cancel's release that
-        raced the scheduler's own reservation left 2 CPUs held for good, found by the suite)."""
+        raced the scheduler's own reservation left 2 CPUs held for good, found by the suite).
+        ``active``: the jobs the reconcile just listed as active, whose groups are theirs to hold."""
         for job_id, pgs in launch.placement_groups_by_job().items():
-            if job_id in self._starting or launch.find_scheduler(job_id) is not None:
+            if job_id in active or job_id in self._starting:
                 continue
             job = self.store.get_job(job_id)
             if job is None or not JobState(job["state"]).is_terminal:
-                continue  # another store's job, or one whose loss the lines above handle
+                continue  # another store's job, or one that became active since the list
+            if launch.find_scheduler(job_id) is not None:
+                continue  # still tearing down: it removes its own
             log.warning("job %s ended %s, but %d placement group(s) of its workers were still held; "
                         "releasing them", job_id, job["state"], len(pgs))
             launch.remove_placement_groups(pgs)

@@ -477,16 +477,15 @@ def run_cell(m: int, mbs: int, args, raytrain) -> list[dict]:
         log(f"{tag}: {len(cs)} contestants up and agreeing after {args.check} steps (largest relative loss "
             f"difference {worst:.1e}, largest parameter difference {dparam:.1e}) after {time.time() - t0:.0f} s "
             f"(up in {t_ready:.0f} s)")
-        got = {stop: {k: {c.name: [] for c in cs} for k in ("times", "bubbles", "plans", "extra", "faults")}
-               for stop in settings}
+        kinds = ("times", "bubbles", "plans", "extra", "faults")  # per setting, per contestant
+        got = {stop: {k: {c.name: [] for c in cs} for k in kinds} for stop in settings}
         pids = {c.name: c.pids() for c in cs}
         if args.pause_idle != "off":
             idle.pids = {c.name: c.all_pids() for c in cs}
         for r in range(args.rounds):
             order = cs[r % len(cs):] + cs[:r % len(cs)]
             for stop, c in [(stop, c) for stop in (settings if r % 2 == 0 else settings[::-1]) for c in order]:
-                times, bubbles, plans, extra, faults = (got[stop][k] for k in ("times", "bubbles", "plans",
-                                                                                "extra", "faults"))
+                times, bubbles, plans, extra, faults = (got[stop][k] for k in kinds)
                 idle.turn(c.name if stop else None)
                 f0 = [memory.proc_faults(p) for p in pids[c.name]]
                 recs = c.run(1 + args.steps)
