@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from actors.runner import run_job
-from service import checkpoint
+from service import checkpoint, schedules
 from service.spec import parse_spec
 from tests import reference
 from tests.conftest import FIXTURES
@@ -101,6 +101,33 @@ def test_code_nobody_here_wrote_transformers_gpt2_blocks(ray_session, tmp_path, 
         assert rows[-1]["bubble_plan"] == pytest.approx(1 / 7)  # p = 2, M = 4, F = B = W: 1/7 idle, not 1/5
     else:
         assert not [e for e in final["events"] if e["type"] == "weight_split"]
+
+
+@pytest.mark.parametrize("schedule", ["interleaved_1f1b", "zbv"])
+def test_code_nobody_here_wrote_transformers_llama_blocks_in_two_chunks_a_worker(ray_session, tmp_path, tokens,
+                                                                                 schedule):
+    """transformers' LlamaDecoderLayers (random init, rotary embedding, grouped-query attention,
+    RMSNorm) cut into 4 model chunks on 2 workers: interleaved 1F1B's loop placement and ZB-V's V,
+    whose W's hold the Linear products.  The numbers are one process's, each worker holds the
+    activations the plan holds, and the newest step ran in the plan's order."""
+    model = {"builder": "userpkg.layerlist:hf_llama",
+             "args": {"vocab": 64, "d": 32, "heads": 4, "kv_heads": 2, "ffn": 64, "layers": 3, "context": 16}}
+    spec = gpt_spec(tokens, 1, 2, schedule, model=model,
+                    parallelism={"dp": 1, "pp": 2, "schedule": schedule, "transport": "collective"})
+    final = run_job(spec=spec, out=str(tmp_path), progress=False, spec_dir=FIXTURES)
+    want, losses = reference.train(spec, search=[FIXTURES])
+    assert_equal(torch.load(tmp_path / "model.pt"), want)
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["loss"] for r in rows] == pytest.approx(losses, rel=1e-9)
+    plan = schedules.build(schedule, 2, spec.microbatches, 2)
+    assert all(r["peak_live"] == schedules.peak_in_flight(plan) for r in rows)
+    shape = next(e for e in final["events"] if e["type"] == "shape")
+    assert shape["stages_per_worker"] == 2 and len(shape["partition"]) == 4
+    tl = final["timelines"][-1]["workers"]
+    for s in range(2):
+        assert [a for a, _, _ in tl[f"w0.{s}"]] == [f"{a.stage}{a.kind}{a.mb}" for a in plan.order[s]]
+    assert any("W" in a for lane in tl.values() for a, _, _ in lane) == (schedule == "zbv")
+    assert not [e for e in final["events"] if e["type"] == "weight_split"]  # no chunk tried torch's split
 
 
 @pytest.mark.parametrize("pp", [2, 4])
