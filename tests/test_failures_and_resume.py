@@ -56,6 +56,31 @@ def test_worker_exception_fails_job_with_traceback(ray_session, tmp_path, transp
     assert relaytrain_actors(ray_session) == []  # no worker left behind
 
 
+@pytest.mark.parametrize("schedule, where, partition, transport, worker", [
+    ("zb_h1", 1, [3, 3], "collective", "w0.0"),            # the first chunk's whole backward is its W
+    ("zb_h1", 4, [3, 3], "collective", "w0.1"),            # the last chunk's B, its input gradient awaited
+    ("zbv", 4, [2, 1, 1, 2], "object_store", "w0.0"),      # the V's last chunk, on the first worker
+])
+def test_a_user_layer_that_raises_in_its_backward_fails_a_split_schedule_with_its_message(
+        ray_session, tmp_path, schedule, where, partition, transport, worker):
+    """A user's autograd Function raising in its third backward, in a B or a W of the zero-bubble
+    schedules: the job fails at once with the user's whole message, naming the worker, and leaves
+    no actor behind (its peer, waiting for a gradient or for the step's end, is stopped)."""
+    spec = user_spec(model={"builder": "userpkg.models:exploding_backward", "args": {"where": where}},
+                     parallelism={"dp": 1, "pp": 2, "partition": partition, "schedule": schedule,
+                                  "transport": transport})
+    t0 = time.monotonic()
+    with pytest.raises(JobFailed) as e:
+        run_job(spec=spec, spec_dir=FIXTURES, out=str(tmp_path), progress=False, timeout=60)
+    assert time.monotonic() - t0 < 60
+    assert str(e.value) == f"worker {worker} at step 1 raised ValueError: " + BOOM
+    assert "Traceback" in e.value.detail and "models.py" in e.value.detail and "backward" in e.value.detail
+    deadline = time.monotonic() + 15
+    while relaytrain_actors(ray_session) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert relaytrain_actors(ray_session) == []
+
+
 def test_activation_shape_that_varies_needs_the_object_store(ray_session, tmp_path):
     """The collective transport receives into buffers of the first microbatch's shape: an activation
     whose shape varies fails the job with what to change; the object store carries it exactly."""
