@@ -530,8 +530,24 @@ def machine_speed(threads: int) -> tuple[float, float]:
     return _SPEED[threads]
 
 
+def backward_passes(param_bytes: list[int]) -> list[int]:
+    """Forward-sized passes each layer's step makes, forward included: 3 (the forward, its input
+    gradient, its weight gradient) where some earlier layer has parameters; the model's input
+    needs no gradient, so the first layer with parameters computes only its weight gradient (2),
+    and the layers before it have no backward at all (1).  Measured here on the peer bench's MLP
+    (2026-12-04): the first of two stages spent 5.5 ms a microbatch in its backward of 4 blocks,
+    the second 6.8 in its 4."""
+    out, seen = [], False
+    for b in param_bytes:
+        out.append(3 if seen else 2 if b else 1)
+        seen = seen or bool(b)
+    return out
+
+
 def estimate_seconds(t: Trace, threads: int) -> list[float]:
-    """Each layer's forward + backward seconds for one microbatch, from its FLOPs and bytes
-    (backward: twice the forward) at this machine's measured speed."""
+    """Each layer's forward + backward seconds for one microbatch, from its FLOPs and bytes at
+    this machine's measured speed: each backward pass (input gradient, weight gradient) as
+    long as the forward, where the layer makes it (``backward_passes``)."""
     flop_s, byte_s = machine_speed(threads)
-    return [3 * (f / flop_s + b / byte_s + LAYER_OVERHEAD_S) for f, b in zip(t.flops, t.io_bytes)]
+    return [n * (f / flop_s + b / byte_s + LAYER_OVERHEAD_S)
+            for n, f, b in zip(backward_passes(t.param_bytes), t.flops, t.io_bytes)]

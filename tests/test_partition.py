@@ -2,11 +2,26 @@ import pytest
 import torch
 
 from service import partition as P
+from service import tracing
 
 
 def test_uniform():
     assert P.uniform(5, 2) == [3, 2]
     assert P.uniform(8, 4) == [2, 2, 2, 2]
+
+
+def test_the_first_layers_compute_no_input_gradient():
+    """The model's input needs no gradient: a layer before any parameter has no backward, the first
+    with parameters only its weight gradient, every later one both; the estimate weighs them so."""
+    assert tracing.backward_passes([0, 64, 0, 64, 64]) == [1, 2, 3, 3, 3]
+    assert tracing.backward_passes([0, 0]) == [1, 1] and tracing.backward_passes([]) == []
+    t = tracing.Trace(metas=[None] * 3, flops=[10**6] * 3, param_bytes=[64, 0, 64], io_bytes=[4096] * 3,
+                      stateless=frozenset({1}), on_meta=True)
+    first, relu, second = tracing.estimate_seconds(t, threads=1)
+    assert first == pytest.approx(second * 2 / 3) and relu == pytest.approx(second)
+    # five equal Linears on 2 stages: the first stage, whose first layer makes 2 passes, takes the
+    # odd layer (8 units against 6; the other way 5 against 9)
+    assert P.balanced([float(n) for n in tracing.backward_passes([64] * 5)], 2) == [3, 2]
 
 
 def test_balanced_minimises_slowest_stage():
