@@ -525,7 +525,12 @@ def test_an_idempotency_key_with_another_spec_is_a_conflict_and_yaml_bodies_are_
         r = c.post(f"/v1/jobs/{job['id']}/cancel")
         assert r.status_code == 200 and r.json()["state"] == "CANCELLED"
         kinds = [e["type"] for e in c.get(f"/v1/jobs/{job['id']}/events").json()]
-        assert kinds[-2:] == ["cancel_requested", "cancelled"] and "shape" not in kinds, kinds
+        # the cancel kills the starting scheduler and waits for it to be gone before it says
+        # "cancelled"; a scheduler already past its start may say "started" in between (seen once
+        # in a fresh-clone run of 0bb130e), but it places nothing
+        assert kinds[kinds.index("cancel_requested"):] in (["cancel_requested", "cancelled"],
+                                                           ["cancel_requested", "started", "cancelled"]), kinds
+        assert "shape" not in kinds, kinds
         time.sleep(2)  # its scheduler was stopped, not left to start: the job stays CANCELLED
         assert c.get(f"/v1/jobs/{job['id']}").json()["state"] == "CANCELLED"
         assert launch_scheduler_gone(job["id"])
