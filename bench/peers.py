@@ -14,7 +14,8 @@ past 1F1B"):
   (``--schedules``, ``--transports``);
 - Ray Train v2 ``TorchTrainer`` with DDP on 2 workers against relaytrain dp = 2, pp = 1, at
   microbatches of 64 rows only (Ray Train's replicas take peers_spec's default microbatch);
-- one process, one thread, microbatched (the base line);
+- one process, one thread, microbatched (the base line); and again with glibc's malloc tuned as
+  relaytrain's workers tune theirs (no page faults a step: the stricter base line, "efficiency, tuned");
 
 for M in {4, 8, 16} microbatches of 16, 32 and 64 rows (``bench/peers_spec.py`` holds the model,
 the MLP 1024-1024x8-10 of the issue's held-out comparison, which is 32 rows at M = 8).  Every
@@ -148,6 +149,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+# the one process again with glibc's malloc tuned as relaytrain's workers tune theirs (actors/heap.py
+# keep_freed: freed memory kept mapped, no page faults a step): its efficiency is the stricter one
+TUNED = "single process, 1 thread, relaytrain's heap"
 
 
 class Processes(Contestant):
@@ -322,7 +328,8 @@ def relay_spec(m: int, mbs: int, **kw):
 def contestants(m: int, mbs: int, steps: int, raytrain, args) -> tuple[list[Contestant], list[dict]]:
     """The contestants of one (mbs, M), and those left out (with why)."""
     p = args.pp
-    out: list[Contestant] = [Processes("single process, 1 thread", "base", "single", 1, m, mbs=mbs)]
+    out: list[Contestant] = [Processes("single process, 1 thread", "base", "single", 1, m, mbs=mbs),
+                             Processes(TUNED, "base", "single_heap", 1, m, mbs=mbs)]
     skipped: list[dict] = []
     if "pipeline" in args.which:
         for sched in args.torch_schedules:
@@ -350,8 +357,8 @@ def contestants(m: int, mbs: int, steps: int, raytrain, args) -> tuple[list[Cont
                 out.append(RayTrainContestant(raytrain, m))
             out.append(RelayContestant("relaytrain dp=2 pp=1", "dp",
                                        peers_spec.spec(m, mbs=mbs, dp=2, transport="collective"), steps))
-    if args.only:  # the single process stays: it is the reference the others are checked against
-        out = [out[0]] + [c for c in out[1:] if any(o in c.name for o in args.only)]
+    if args.only:  # the single processes stay: the reference the others are checked against, and its tuned twin
+        out = [c for c in out if c.group == "base" or any(o in c.name for o in args.only)]
     for folder in args.ab_engine or []:  # A/B: every relaytrain contestant again, on the engine in that folder
         out += [RelayContestant(c.name, c.group, c.job.spec, steps, folder) for c in out
                 if isinstance(c, RelayContestant) and c.job.engine is None]
@@ -548,6 +555,7 @@ def _cell_result(cs: list, m: int, mbs: int, args, shapes: dict, losses: dict, t
                                            for r in range(len(ex[0]["busy"]))]}
         rows.append(row)
     single = rows[0]["step_s"]
+    tuned = next((r["step_s"] for r in rows if r["contestant"] == TUNED), None)
     for row in rows:
         if row["system"] == "torch" and row["bubble_plan"] is None:
             # the textbook plan: torch's schedules send an input gradient after the whole backward
@@ -555,6 +563,8 @@ def _cell_result(cs: list, m: int, mbs: int, args, shapes: dict, losses: dict, t
             row["bubble_plan"] = _plan_bubble(row["schedule"], row["pp"], m, row["chunks"])
         if row["group"] == "pipeline":
             row["efficiency"] = single / row["pp"] / row["step_s"]
+            if tuned is not None:
+                row["efficiency_tuned"] = tuned / row["pp"] / row["step_s"]
         peers = [r for r in rows if r["peer"] and r["group"] == row["group"]]
         if peers and row["group"] != "base":
             best = min(peers, key=lambda r: r["step_s"])
@@ -589,12 +599,15 @@ def summarize(rows: list[dict], p: int, m: int) -> dict:
     relay = [r for r in rows if r["system"] == "relaytrain" and r["group"] == "pipeline" and not r["engine"]]
     torch_rows = [r for r in rows if r["system"] == "torch"]
     single = next(r for r in rows if r["system"] == "single")
-    out: dict = {"single_s": single["step_s"]}
+    tuned = next((r for r in rows if r["contestant"] == TUNED), None)
+    out: dict = {"single_s": single["step_s"], **({"tuned_s": tuned["step_s"]} if tuned else {})}
     pick = lambda r: {"contestant": r["contestant"], "schedule": r["schedule"], "step_s": r["step_s"]}  # noqa: E731
     if relay:
         best = min(relay, key=lambda r: r["step_s"])
         out["relay_best"] = pick(best)
         out["efficiency"] = single["step_s"] / p / best["step_s"]
+        if tuned:
+            out["efficiency_tuned"] = tuned["step_s"] / p / best["step_s"]
         out["where"] = best.get("relaytrain")
     if torch_rows:
         out["torch_best"] = pick(min(torch_rows, key=lambda r: r["step_s"]))
@@ -714,10 +727,11 @@ def summary_tables(results: list[dict], schedules: list[str]) -> str:
     heads = " | ".join(f"bubble {RELAY_LABELS[s]}" for s in schedules)
     lines = [f"relaytrain's best schedule against torch.distributed.pipelining's best (torch's median / relaytrain's; "
              f"goal >= 1.1 everywhere), pipeline efficiency = (one process's step / {p}) / relaytrain's best step "
-             f"(goal >= 0.8 at M = 8), relaytrain's measured bubble per schedule (goal: ZB-H1's <= half of 1F1B's "
-             f"at M = 8):", "",
-             f"| mbs | M | relaytrain best | ms | torch best | ms | ratio | pipeline efficiency | {heads} | "
-             "ZB-H1 / 1F1B bubble |", "|---|---|---|---|---|---|---|---|" + "---|" * len(schedules) + "---|"]
+             f"(goal >= 0.8 at M = 8; 'tuned': against the one process with relaytrain's heap settings, "
+             f"glibc keeping freed memory as relaytrain's workers do), relaytrain's measured bubble per schedule "
+             f"(goal: ZB-H1's <= half of 1F1B's at M = 8):", "",
+             f"| mbs | M | relaytrain best | ms | torch best | ms | ratio | pipeline efficiency | efficiency, tuned | "
+             f"{heads} | ZB-H1 / 1F1B bubble |", "|---|---|---|---|---|---|---|---|---|" + "---|" * len(schedules) + "---|"]
     for res in results:
         s = res["summary"]
         rb, tb = s.get("relay_best"), s.get("torch_best")
@@ -725,6 +739,7 @@ def summary_tables(results: list[dict], schedules: list[str]) -> str:
         eff = ""
         if "efficiency" in s:
             eff = f"{s['efficiency']:.2f}" + (f" ({_goal(s['efficiency'] >= 0.8)})" if res["M"] == 8 else "")
+        eff_t = f"{s['efficiency_tuned']:.2f}" if "efficiency_tuned" in s else ""
         zb = ""
         if "zb_h1_over_1f1b" in s:
             zb = f"{s['zb_h1_over_1f1b']:.2f}" + (f" ({_goal(s['zb_h1_over_1f1b'] <= 0.5)})" if res["M"] == 8 else "")
@@ -732,7 +747,7 @@ def summary_tables(results: list[dict], schedules: list[str]) -> str:
         lines.append(f"| {res['mbs']} | {_m(res)} | {rb['contestant'].removeprefix('relaytrain ') if rb else ''} | "
                      f"{_ms(rb['step_s']) if rb else ''} | "
                      f"{tb['contestant'].removeprefix('torch.pipelining ') if tb else ''} | "
-                     f"{_ms(tb['step_s']) if tb else ''} | {ratio} | {eff} | {bub} | {zb} |")
+                     f"{_ms(tb['step_s']) if tb else ''} | {ratio} | {eff} | {eff_t} | {bub} | {zb} |")
     lines += ["", "Where the step of relaytrain's best schedule goes (medians, ms; per worker w<replica>.<stage>: its "
               "compute, and its waiting inside the schedule from its first compute to the end of its schedule; "
               "after the schedule: the all-reduce and gradient norm, the slowest worker's; on the first worker "
@@ -796,6 +811,9 @@ def plot(results: list[dict], path: Path) -> None:
         xs = [res["M"] for res in cells if "efficiency" in res["summary"]]
         bottom.plot(xs, [res["summary"]["efficiency"] for res in cells if "efficiency" in res["summary"]], "s-",
                     color="C1", label="relaytrain pipeline efficiency (single / p / step)")
+        xs = [res["M"] for res in cells if "efficiency_tuned" in res["summary"]]
+        bottom.plot(xs, [res["summary"]["efficiency_tuned"] for res in cells if "efficiency_tuned" in res["summary"]],
+                    "s--", color="C2", label="the same against the single process with relaytrain's heap")
         bottom.axhline(1.1, color="C0", linewidth=0.8, linestyle=":")
         bottom.axhline(0.8, color="C1", linewidth=0.8, linestyle=":")
         bottom.axhline(1.0, color="k", linewidth=0.6)

@@ -48,11 +48,15 @@ def serve(conn, kind: str, rank: int, world: int, port: int, m: int, schedule: s
     """Process entry point: set up, then answer commands until ``("stop",)``."""
     sys.path.insert(0, ROOT)
     os.environ["OMP_NUM_THREADS"] = "1"
+    if kind == "single_heap":  # malloc as relaytrain's workers tune theirs, before torch allocates anything
+        from actors.heap import keep_freed
+
+        keep_freed()
     import torch
 
     torch.set_num_threads(1)
     try:
-        runner = (Single if kind == "single" else TorchPipeline)(rank, world, port, m, schedule, mbs)
+        runner = (Single if kind in ("single", "single_heap") else TorchPipeline)(rank, world, port, m, schedule, mbs)
         conn.send(("ready", os.getpid()))
     except BaseException:
         conn.send(("error", traceback.format_exc()))
